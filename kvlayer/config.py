@@ -1,0 +1,171 @@
+"""``KVLayerConfig``: the one typed, validated, frozen configuration (ARCHITECTURE.md section 8).
+
+Sources, later ones overriding earlier ones: defaults < a YAML file or a dict < ``KVLAYER_*``
+environment variables (``KVLAYER_CPU_CAPACITY=4GiB``). An unknown key or a bad value raises
+``ConfigError`` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvlayer.sizes import parse_size
+
+ENV_PREFIX = "KVLAYER_"
+COMPRESSIONS = ("none", "lz4")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayerConfig:
+    """kvlayer's settings. Sizes are bytes (strings like "4GiB" are accepted on construction).
+
+    A capacity of 0 disables that tier; ``nvme_path``/``redis_url`` of None disable theirs.
+    """
+
+    chunk_size: int = 256
+    gpu_capacity: int = 0
+    cpu_capacity: int = 4 * 1024**3
+    nvme_path: str | None = None
+    nvme_capacity: int = 64 * 1024**3
+    nvme_fsync: bool = False
+    redis_url: str | None = None
+    redis_cluster: bool = False
+    redis_ttl_s: int = 0
+    redis_key_prefix: str = "kvlayer"
+    compression: str = "none"
+    save_decode_cache: bool = False
+    save_partial_chunks: bool = False
+    layerwise: bool = True
+    staging_capacity: int = 512 * 1024**2
+    tier_timeout_ms: int = 2000
+    unhealthy_after: int = 3
+    controller_url: str | None = None
+    controller_token: str | None = None
+    instance_id: str | None = None
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, _coerce(f.name, f.type, value))
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.tier_timeout_ms <= 0:
+            raise ConfigError(f"tier_timeout_ms must be positive, got {self.tier_timeout_ms}")
+        if self.redis_ttl_s < 0:
+            raise ConfigError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
+        if self.unhealthy_after <= 0:
+            raise ConfigError(f"unhealthy_after must be positive, got {self.unhealthy_after}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+
+    # --- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVLayerConfig:
+        """From a mapping of key -> value; unknown keys raise ``ConfigError``."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"unknown kvlayer config key {key!r}; known keys: {sorted(known)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> KVLayerConfig:
+        import yaml
+
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of kvlayer keys at the top level")
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, source: KVLayerConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None) -> KVLayerConfig:
+        """From a config, a dict or a YAML path (or defaults), then ``KVLAYER_*`` overrides."""
+        if isinstance(source, KVLayerConfig):
+            base = dataclasses.asdict(source)
+        elif isinstance(source, Mapping):
+            base = dict(source)
+        elif source is None:
+            base = {}
+        else:
+            base = dataclasses.asdict(cls.from_yaml(source))
+        base.update(env_overrides(os.environ if env is None else env))
+        return cls.from_dict(base)
+
+    def replace(self, **changes: Any) -> KVLayerConfig:
+        """A new config with ``changes`` applied (this one is never mutated)."""
+        return KVLayerConfig.from_dict({**dataclasses.asdict(self), **changes})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``KVLAYER_<KEY>`` variables of ``env`` as config keys; unknown ones raise ``ConfigError``.
+
+    Variables that name no config key but belong to other parts of kvlayer are ignored
+    (``KVLAYER_ADMIN_TOKEN`` for the controller, ``KVLAYER_HOME`` for the CLI).
+    """
+    known = {f.name for f in fields(KVLayerConfig)}
+    out = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
+            continue
+        key = name[len(ENV_PREFIX):].lower()
+        if key not in known:
+            raise ConfigError(f"unknown kvlayer config variable {name}; known keys: {sorted(known)}")
+        out[key] = value
+    return out
+
+
+_NOT_CONFIG = {"KVLAYER_ADMIN_TOKEN", "KVLAYER_HOME", "KVLAYER_LOG_LEVEL"}
+_SIZE_KEYS = {"gpu_capacity", "cpu_capacity", "nvme_capacity", "staging_capacity"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, type_: Any, value: Any) -> Any:
+    """Validate one field and convert strings (from YAML or the environment) to its type."""
+    t = str(type_)
+    optional = "None" in t
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{name} must not be empty")
+    try:
+        if name in _SIZE_KEYS:
+            return parse_size(value)
+        if t.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+                return value.lower() in _TRUE
+            raise ValueError
+        if t.startswith("int"):
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value) if isinstance(value, int) or str(value).strip().lstrip("-").isdigit() else _bad()
+        if t.startswith("str"):
+            if not isinstance(value, str | int) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except ValueError as e:
+        raise ConfigError(f"invalid value for {name}: {value!r} (expected {t})") from e
+    return value
+
+
+def _bad() -> Any:
+    raise ValueError

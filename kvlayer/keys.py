@@ -1,0 +1,124 @@
+"""Chunk keys: chained cryptographic hashes of token chunks under a namespace.
+
+``chunk_hash[i] = blake2b(chunk_hash[i-1] || tokens[i*C:(i+1)*C] as little-endian int32)``
+with ``chunk_hash[-1] = blake2b(namespace)`` (ARCHITECTURE.md section 3). Keys are identical
+across processes, restarts and machines: nothing here depends on Python's ``hash``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlayer.layout import KVLayout, dtype_name
+
+FORMAT_VERSION = 1
+"""Bumped whenever the chunk layout or the on-disk/in-Redis format changes."""
+
+KEY_BYTES = 32
+TOKENS_DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that must match for two requests to share a chunk.
+
+    ``model_fingerprint`` identifies weights and config (the engine computes it); ``salt`` is
+    the tenant's ``cache_salt`` ("" for none).
+    """
+
+    model_name: str
+    model_fingerprint: str
+    layout: KVLayout
+    chunk_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    salt: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    def with_salt(self, salt: str | None) -> Namespace:
+        """The same namespace for another tenant (``None`` keeps this one's salt)."""
+        if salt is None or salt == self.salt:
+            return self
+        return Namespace(self.model_name, self.model_fingerprint, self.layout, self.chunk_size,
+                         self.tp_rank, self.tp_size, salt, self.format_version)
+
+    def describe(self) -> bytes:
+        """A canonical, unambiguous byte string of every field (fields are length-prefixed)."""
+        lay = self.layout
+        fields = (
+            "kvlayer", str(self.format_version), self.model_name, self.model_fingerprint,
+            dtype_name(lay.dtype), str(lay.num_layers), str(lay.num_kv_heads), str(lay.head_dim),
+            str(self.chunk_size), str(self.tp_rank), str(self.tp_size), self.salt,
+        )
+        out = bytearray()
+        for f in fields:
+            b = f.encode()
+            out += struct.pack("<I", len(b)) + b
+        return bytes(out)
+
+    def root(self) -> bytes:
+        """``chunk_hash[-1]``: the hash of the namespace."""
+        return hashlib.blake2b(self.describe(), digest_size=KEY_BYTES).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """One chunk of a token sequence: tokens ``[start, end)``, its chained key and tokens digest."""
+
+    digest: bytes
+    tokens_digest: bytes
+    start: int
+    end: int
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def tokens_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int32 bytes; ValueError for ids outside int32."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids must be in [0, 2**31)")
+    return arr.astype("<i4").tobytes()
+
+
+def chunk_keys(namespace: Namespace, token_ids: Sequence[int], include_partial: bool = False,
+               prefix: Sequence[ChunkKey] = ()) -> list[ChunkKey]:
+    """Keys of the chunks of ``token_ids``: every full chunk, plus the last partial one if asked.
+
+    ``prefix`` may hold already computed keys of a leading part of the same tokens (from an
+    earlier call), which are reused instead of rehashed.
+    """
+    size = namespace.chunk_size
+    n = len(token_ids)
+    keys = list(prefix[: n // size])
+    prev = keys[-1].digest if keys else namespace.root()
+    data = tokens_bytes(token_ids)
+    start = len(keys) * size
+    while start < n:
+        end = min(start + size, n)
+        if end - start < size and not include_partial:
+            break
+        tok = data[start * 4 : end * 4]
+        digest = hashlib.blake2b(prev + tok, digest_size=KEY_BYTES).digest()
+        keys.append(ChunkKey(digest, hashlib.blake2b(tok, digest_size=TOKENS_DIGEST_BYTES).digest(),
+                             start, end))
+        prev = digest
+        start = end
+    return keys

@@ -1,0 +1,144 @@
+"""The chunk format on disk and in Redis: a versioned ``struct`` header, then the payload.
+
+Header (little-endian, ``HEADER_SIZE`` bytes)::
+
+    magic b"KVLC" | version u16 | compression u16 | key 32s | tokens_digest 16s
+    | dtype u8 | ndim u8 | pad u16 | shape 5 x u32 | raw_len u64 | payload_len u64
+    | payload_xxh3 u64 | header_xxh3 u64 (of every header byte before it)
+
+The payload is the chunk tensor's bytes (``raw_len``), lz4-compressed when compression is 1
+(``payload_len`` stored bytes). Readers parse only this format (never pickle): any mismatch
+(magic, version, key, tokens digest, dtype, shape, lengths, checksums) raises
+``ChunkFormatError``, which callers turn into a miss and a counter.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvlayer.keys import FORMAT_VERSION, KEY_BYTES, TOKENS_DIGEST_BYTES, ChunkKey
+
+MAGIC = b"KVLC"
+_HEAD = struct.Struct(f"<4sHH{KEY_BYTES}s{TOKENS_DIGEST_BYTES}sBBH5IQQQ")
+_CHECK = struct.Struct("<Q")
+HEADER_SIZE = _HEAD.size + _CHECK.size
+
+COMPRESSION_CODES = {"none": 0, "lz4": 1}
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+class ChunkFormatError(ValueError):
+    """Stored bytes are not a valid chunk for the requested key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    """A parsed header; ``shape`` is the chunk's ``[layers, 2, tokens, kv_heads, head_dim]``."""
+
+    compression: int
+    key: bytes
+    tokens_digest: bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    raw_len: int
+    payload_len: int
+    payload_checksum: int
+
+
+def payload_checksum(payload: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(key: ChunkKey, tensor: torch.Tensor, payload: bytes | memoryview, compression: str) -> bytes:
+    """The header for ``tensor`` stored as ``payload`` (its raw bytes, or their lz4 form)."""
+    if tensor.dim() != 5:
+        raise ValueError(f"a chunk has 5 dimensions, got shape {tuple(tensor.shape)}")
+    raw_len = tensor.numel() * tensor.element_size()
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, COMPRESSION_CODES[compression], key.digest, key.tokens_digest,
+                      _DTYPE_CODES[tensor.dtype], 5, 0, *tensor.shape, raw_len, len(payload),
+                      payload_checksum(payload))
+    return head + _CHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def encode_payload(tensor: torch.Tensor, compression: str) -> bytes | memoryview:
+    """The stored payload of a host tensor: a zero-copy view of its bytes, or their lz4 frame."""
+    raw = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+    if compression == "none":
+        return raw
+    import lz4.frame
+
+    return lz4.frame.compress(raw, compression_level=0)
+
+
+def encode_chunk(key: ChunkKey, tensor: torch.Tensor, compression: str = "none") -> tuple[bytes, bytes | memoryview]:
+    """``(header, payload)`` for a host chunk tensor; write them back to back."""
+    payload = encode_payload(tensor, compression)
+    return encode_header(key, tensor, payload, compression), payload
+
+
+def decode_header(data: bytes | memoryview) -> ChunkHeader:
+    """Parse and check the header at the start of ``data``; ChunkFormatError if it is not one."""
+    if len(data) < HEADER_SIZE:
+        raise ChunkFormatError(f"truncated header: {len(data)} < {HEADER_SIZE} bytes")
+    head = bytes(data[: _HEAD.size])
+    (check,) = _CHECK.unpack_from(data, _HEAD.size)
+    if xxhash.xxh3_64_intdigest(head) != check:
+        raise ChunkFormatError("header checksum mismatch")
+    magic, version, comp, key, tdig, dcode, ndim, _pad, *rest = _HEAD.unpack(head)
+    shape, (raw_len, payload_len, pchk) = tuple(rest[:5]), rest[5:]
+    if magic != MAGIC:
+        raise ChunkFormatError("bad magic")
+    if version != FORMAT_VERSION:
+        raise ChunkFormatError(f"format version {version}, expected {FORMAT_VERSION}")
+    if comp not in COMPRESSION_CODES.values():
+        raise ChunkFormatError(f"unknown compression code {comp}")
+    if dcode not in _CODE_DTYPES or ndim != 5:
+        raise ChunkFormatError(f"bad dtype code {dcode} or ndim {ndim}")
+    dtype = _CODE_DTYPES[dcode]
+    numel = 1
+    for s in shape:
+        numel *= s
+    if raw_len != numel * torch.empty((), dtype=dtype).element_size():
+        raise ChunkFormatError("raw length does not match shape")
+    if comp == 0 and payload_len != raw_len:
+        raise ChunkFormatError("payload length does not match raw length")
+    return ChunkHeader(comp, key, tdig, dtype, shape, raw_len, payload_len, pchk)
+
+
+def check_header(header: ChunkHeader, key: ChunkKey, shape: tuple[int, ...] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+    """ChunkFormatError unless the header is for ``key`` (and ``shape``/``dtype`` when given)."""
+    if header.key != key.digest or header.tokens_digest != key.tokens_digest:
+        raise ChunkFormatError(f"chunk holds another key than {key.hex[:16]}")
+    if shape is not None and tuple(shape) != header.shape:
+        raise ChunkFormatError(f"shape {header.shape}, expected {tuple(shape)}")
+    if dtype is not None and dtype != header.dtype:
+        raise ChunkFormatError(f"dtype {header.dtype}, expected {dtype}")
+
+
+def decode_payload(header: ChunkHeader, payload: bytes | memoryview, out: torch.Tensor) -> None:
+    """Verify ``payload`` and write the chunk into ``out`` (a host tensor of the header's shape)."""
+    if len(payload) != header.payload_len:
+        raise ChunkFormatError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
+    if payload_checksum(payload) != header.payload_checksum:
+        raise ChunkFormatError("payload checksum mismatch")
+    if tuple(out.shape) != header.shape or out.dtype != header.dtype:
+        raise ChunkFormatError("output tensor does not match the header")
+    dst = out.view(-1).view(torch.uint8)
+    if header.compression == COMPRESSION_CODES["lz4"]:
+        import lz4.frame
+
+        try:
+            raw = lz4.frame.decompress(payload)
+        except RuntimeError as e:
+            raise ChunkFormatError(f"lz4: {e}") from e
+        if len(raw) != header.raw_len:
+            raise ChunkFormatError("decompressed length mismatch")
+        payload = raw
+    np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))

@@ -1,0 +1,126 @@
+"""The storage interface every tier implements (ARCHITECTURE.md section 5).
+
+All methods are coroutines run on kvlayer's background I/O loop; batched forms are the
+primitive. Keys are ``ChunkKey`` objects; a backend indexes by ``key.digest`` and stores
+``key.tokens_digest`` with the chunk (in its header, for serialising tiers) so that a read
+whose stored key or tokens digest does not match is a miss.
+
+Ownership of chunks:
+- ``get_many`` returns, for each key, a ``MemoryObj`` holding the chunk or ``None`` (a miss).
+  Each returned object carries one reference owned by the caller, who must release it. A
+  memory tier may return its own stored object (after ``ref()``); a tier that deserialises
+  allocates it from ``BackendContext.staging``.
+- ``put_many`` never takes over the caller's references: a memory tier ``ref()``s what it
+  keeps (or copies it into its own arena), a serialising tier writes the bytes out. Putting
+  a key that is already present is a no-op.
+
+Errors: a backend raises on I/O failures it cannot turn into a miss itself; the tier manager
+applies deadlines and turns every exception into a miss plus a counter. Corrupt data must
+never be returned: a backend verifies headers and checksums (``kvlayer.serde``) and answers
+``None`` (and counts it in ``stats()['checksum_errors']``) instead.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvlayer.config import KVLayerConfig
+from kvlayer.keys import ChunkKey
+from kvlayer.layout import KVLayout
+from kvlayer.memory import Arena, MemoryObj
+
+
+@dataclass(frozen=True, slots=True)
+class BackendContext:
+    """What a backend is built from.
+
+    ``staging`` is the host arena that serialising tiers land reads in (shared, internal, not
+    a cache tier). ``device`` is the engine's device (the GPU tier's arena lives there).
+    """
+
+    config: KVLayerConfig
+    layout: KVLayout
+    device: torch.device
+    staging: Arena
+    instance_id: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class TierListener(Protocol):
+    """Told of chunks entering and leaving a tier (the controller agent listens)."""
+
+    def on_admit(self, tier: str, digests: Sequence[bytes]) -> None: ...
+
+    def on_evict(self, tier: str, digests: Sequence[bytes]) -> None: ...
+
+
+class StorageBackend(abc.ABC):
+    """One storage tier. Subclasses set ``name`` ("gpu", "cpu", "nvme", "redis").
+
+    Backends call ``_admitted``/``_evicted`` when chunks enter or leave them (including
+    removals), so a listener set with ``set_listener`` sees every change.
+    """
+
+    name: str = "?"
+    _listener: TierListener | None = None
+
+    def set_listener(self, listener: TierListener | None) -> None:
+        self._listener = listener
+
+    def _admitted(self, digests: Sequence[bytes]) -> None:
+        if self._listener is not None and digests:
+            self._listener.on_admit(self.name, digests)
+
+    def _evicted(self, digests: Sequence[bytes]) -> None:
+        if self._listener is not None and digests:
+            self._listener.on_evict(self.name, digests)
+
+    @abc.abstractmethod
+    async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys are present (stops at the first missing one)."""
+
+    @abc.abstractmethod
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """The chunks for ``keys`` (``None`` for each miss); see the module docstring for ownership."""
+
+    @abc.abstractmethod
+    async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+        """Store ``chunks[i]`` under ``keys[i]``; may evict unpinned chunks to make room."""
+
+    @abc.abstractmethod
+    async def remove(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove the keys that are present and unpinned; returns how many were removed."""
+
+    async def pin(self, keys: Sequence[ChunkKey]) -> int:
+        """Protect present keys from eviction; returns how many were pinned. Default: none."""
+        return 0
+
+    async def unpin(self, keys: Sequence[ChunkKey]) -> int:
+        """Undo one ``pin`` of each present, pinned key; returns how many were unpinned."""
+        return 0
+
+    @abc.abstractmethod
+    def usage(self) -> tuple[int, int]:
+        """``(used_bytes, capacity_bytes)``; capacity 0 means the tier sets no bound of its own."""
+
+    def keys(self) -> list[bytes]:
+        """Digests of every chunk held (for controller snapshots); may be expensive."""
+        return []
+
+    def stats(self) -> dict[str, int]:
+        """Backend-specific counters (e.g. ``checksum_errors``, ``evictions``) as plain ints."""
+        return {}
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the backend is unusable afterwards."""
+
+    async def get(self, key: ChunkKey) -> MemoryObj | None:
+        return (await self.get_many([key]))[0]
+
+    async def put(self, key: ChunkKey, chunk: MemoryObj) -> None:
+        await self.put_many([key], [chunk])
