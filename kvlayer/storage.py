@@ -67,7 +67,18 @@ class StorageBackend(abc.ABC):
     """
 
     name: str = "?"
+    rank: int = 100
+    """Position in the hierarchy, top first: gpu 0, cpu 10, nvme 20, redis 30."""
     _listener: TierListener | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, ctx: BackendContext) -> StorageBackend | None:
+        """The tier built from ``ctx``, or None when ``ctx.config`` disables it.
+
+        Must not block on I/O (a backend connects lazily on the I/O loop); a bad setting
+        raises ``ValueError`` naming it.
+        """
 
     def set_listener(self, listener: TierListener | None) -> None:
         self._listener = listener
