@@ -107,7 +107,11 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int], include_partial: 
     """
     size = namespace.chunk_size
     n = len(token_ids)
-    keys = list(prefix[: n // size])
+    keys = []
+    for k in prefix[: n // size]:  # only full chunks carry over: a partial tail may have grown
+        if k.num_tokens != size or k.start != len(keys) * size:
+            break
+        keys.append(k)
     prev = keys[-1].digest if keys else namespace.root()
     data = tokens_bytes(token_ids)
     start = len(keys) * size

@@ -68,10 +68,10 @@ class MemoryObj:
         with self.arena.lock:
             if self._refs <= 0:
                 raise RuntimeError(f"release() on a released MemoryObj (slot {self.slot})")
+            if self._refs == 1 and self._pins:
+                raise RuntimeError(f"last reference to MemoryObj slot {self.slot} released while pinned")
             self._refs -= 1
             if self._refs == 0:
-                if self._pins:
-                    raise RuntimeError(f"MemoryObj slot {self.slot} released while pinned")
                 self.arena._free(self.slot)
 
     def pin(self) -> None:

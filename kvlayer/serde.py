@@ -132,13 +132,23 @@ def decode_payload(header: ChunkHeader, payload: bytes | memoryview, out: torch.
         raise ChunkFormatError("output tensor does not match the header")
     dst = out.view(-1).view(torch.uint8)
     if header.compression == COMPRESSION_CODES["lz4"]:
-        import lz4.frame
-
-        try:
-            raw = lz4.frame.decompress(payload)
-        except RuntimeError as e:
-            raise ChunkFormatError(f"lz4: {e}") from e
-        if len(raw) != header.raw_len:
-            raise ChunkFormatError("decompressed length mismatch")
-        payload = raw
+        payload = _lz4_decompress(payload, header.raw_len)
     np.copyto(dst.numpy(), np.frombuffer(payload, dtype=np.uint8))
+
+
+def _lz4_decompress(payload: bytes | memoryview, raw_len: int) -> bytes:
+    """Exactly one lz4 frame of ``raw_len`` bytes, or ChunkFormatError.
+
+    The output is bounded by ``raw_len``: ``lz4.frame.decompress`` trusts the content size in
+    the frame header and raised MemoryError (or allocated that much) for a forged one.
+    """
+    import lz4.frame
+
+    dec = lz4.frame.LZ4FrameDecompressor()
+    try:
+        raw = dec.decompress(payload, max_length=raw_len)
+    except RuntimeError as e:
+        raise ChunkFormatError(f"lz4: {e}") from e
+    if len(raw) != raw_len or not dec.eof or dec.unused_data:
+        raise ChunkFormatError("lz4 payload does not hold exactly the chunk")
+    return raw

@@ -69,6 +69,9 @@ class StorageBackend(abc.ABC):
     name: str = "?"
     rank: int = 100
     """Position in the hierarchy, top first: gpu 0, cpu 10, nvme 20, redis 30."""
+    in_memory: bool = False
+    """True for tiers whose ``put_many`` only copies into memory (gpu, cpu): the tier manager
+    stores into the top one synchronously and writes the serialising tiers in the background."""
     _listener: TierListener | None = None
 
     @classmethod

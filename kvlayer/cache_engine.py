@@ -1,0 +1,154 @@
+"""``KVCacheEngine``: kvlayer's engine-agnostic API (ARCHITECTURE.md section 5).
+
+For any engine with a paged KV cache: ``lookup`` how many prefix tokens kvlayer holds,
+``store`` a sequence's chunks out of the paged cache, ``retrieve`` them back into it. The
+bundled engine's connector is built on this class; other engines call it directly.
+
+Threading: call it from one engine thread; storage I/O runs on its own background loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvlayer.config import KVLayerConfig
+from kvlayer.io_loop import IOLoop
+from kvlayer.keys import ChunkKey, Namespace, chunk_keys
+from kvlayer.layout import KVLayout
+from kvlayer.memory import Arena
+from kvlayer.metrics import Metrics
+from kvlayer.registry import build_backends
+from kvlayer.storage import BackendContext, StorageBackend
+from kvlayer.tier_manager import TierManager
+from kvlayer.transfer import gather, scatter
+
+log = logging.getLogger(__name__)
+
+
+class KVCacheEngine:
+    """Stores and retrieves chunks of a paged KV cache through kvlayer's tiers.
+
+    ``config`` is a ``KVLayerConfig``, a dict or a YAML path (``KVLAYER_*`` variables override
+    it). ``layout`` describes the paged caches passed to ``store``/``retrieve``: one tensor
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer in ``layout.dtype``.
+    ``model_name``/``model_fingerprint`` and the TP rank enter every key's namespace, so
+    chunks of another model, dtype, layout or tenant never match. ``backends`` overrides the
+    tiers built from the config (tests, custom tiers).
+    """
+
+    def __init__(self, config: KVLayerConfig | dict[str, Any] | str | os.PathLike[str] | None,
+                 layout: KVLayout, device: torch.device | str = "cpu", *, model_name: str = "model",
+                 model_fingerprint: str = "", tp_rank: int = 0, tp_size: int = 1,
+                 backends: Sequence[StorageBackend] | None = None) -> None:
+        self.config = KVLayerConfig.load(config)
+        self.layout = layout
+        self.device = torch.device(device)
+        self.namespace = Namespace(model_name, model_fingerprint, layout, self.config.chunk_size,
+                                   tp_rank, tp_size, self.config.cache_salt)
+        chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
+        self.staging = Arena(max(self.config.staging_capacity, chunk_bytes), chunk_bytes, "cpu", pin=True,
+                             name="kvlayer staging")
+        self.instance_id = self.config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
+        ctx = BackendContext(self.config, layout, self.device, self.staging, self.instance_id)
+        self.backends = list(backends) if backends is not None else build_backends(ctx)
+        self.loop = IOLoop()
+        self.metrics = Metrics(self.instance_id)
+        self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
+        self._closed = False
+
+    # ----- keys -------------------------------------------------------------------------
+    def keys(self, token_ids: Sequence[int], cache_salt: str | None = None,
+             prefix: Sequence[ChunkKey] = ()) -> list[ChunkKey]:
+        """Chunk keys of ``token_ids`` (full chunks, plus the partial tail if configured)."""
+        ns = self.namespace.with_salt(cache_salt)
+        return chunk_keys(ns, token_ids, self.config.save_partial_chunks, prefix)
+
+    # ----- the API ----------------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` kvlayer can supply (no data moved)."""
+        return self.lookup_keys(self.keys(token_ids, cache_salt))
+
+    def lookup_keys(self, keys: Sequence[ChunkKey]) -> int:
+        n = self.tiers.lookup(keys).num_chunks
+        return keys[n - 1].end if n else 0
+
+    def store(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+              cache_salt: str | None = None, keys: Sequence[ChunkKey] | None = None) -> int:
+        """Store the chunks of ``token_ids`` whose KV sits in ``kv_caches`` at ``slot_mapping``.
+
+        ``slot_mapping`` holds one slot per token of ``token_ids`` (int64, caches' device).
+        Chunks already held are skipped. Returns how many chunks were handed to the tiers;
+        lower tiers are written in the background. Never raises for a tier failure.
+        """
+        keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
+        if len(slot_mapping) < (keys[-1].end if keys else 0):
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens")
+        have = self.tiers.lookup(keys, record=False).num_chunks
+        todo, objs = [], []
+        try:
+            for key in keys[have:]:
+                obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
+                if obj is None:
+                    self.metrics.count("staging", "errors")
+                    break
+                gather(kv_caches, slot_mapping[key.start : key.end], obj.tensor)
+                todo.append(key)
+                objs.append(obj)
+            if todo:
+                self.tiers.store(todo, objs)
+        finally:
+            for obj in objs:
+                obj.release()
+        return len(todo)
+
+    def retrieve(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
+                 cache_salt: str | None = None, start: int = 0, keys: Sequence[ChunkKey] | None = None) -> int:
+        """Write the longest available prefix of ``token_ids`` into ``kv_caches`` at ``slot_mapping``.
+
+        Tokens before ``start`` are not written (the engine already holds them); slots are
+        given for every token of ``token_ids``. Returns the number of leading tokens now
+        available (including those before ``start``), or ``start`` if nothing after it was.
+        """
+        keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
+        keys = [k for k in keys if k.end <= len(token_ids)]
+        first = next((i for i, k in enumerate(keys) if k.end > start), len(keys))
+        chunks = self.tiers.retrieve(keys[first:]) if first < len(keys) else []
+        end = keys[first - 1].end if first else 0
+        try:
+            for key, obj in zip(keys[first:], chunks, strict=False):
+                lo = max(key.start, start)
+                scatter(obj.tensor[:, :, lo - key.start :], kv_caches, slot_mapping[lo : key.end])
+                end = key.end
+        finally:
+            for obj in chunks:
+                obj.release()
+        return max(end, start) if chunks else start
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for background writes (tests and shutdown)."""
+        self.tiers.flush(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier counters and usage as plain data."""
+        return self.tiers.stats()
+
+    def close(self) -> None:
+        """Finish background writes, close the tiers and stop the I/O loop (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.tiers.close()
+        finally:
+            self.loop.close()
+
+    def __enter__(self) -> KVCacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,92 @@
+"""The ``kvlayer`` command line: ``kvlayer model init``, ``kvlayer demo``, ``kvlayer bench ...``.
+
+This module is the composition root: each subcommand imports the parts it wires together
+when it runs, so ``kvlayer --help`` stays fast and needs no optional dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from kvlayer.engine.presets import init_model
+
+    path = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, architecture=args.arch)
+    print(f"wrote a random-weight '{args.preset}' {args.arch} model to {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvlayer.benchmarks.demo import run_demo
+
+    return run_demo(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"kvlayer.benchmarks.{args.bench_module}")
+    return module.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    home = os.environ.get("KVLAYER_HOME", ".kvlayer")
+    p = argparse.ArgumentParser(prog="kvlayer", description="kvlayer: a tiered KV cache layer for LLM inference")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
+    init = model.add_parser("init", help="write a random-weight model folder (config.json + safetensors)")
+    init.add_argument("--preset", choices=("tiny", "small", "bench"), default="tiny")
+    init.add_argument("--out", required=True, help="folder to write")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    init.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
+    init.set_defaults(func=_model_init)
+
+    demo = sub.add_parser("demo", help="a multi-turn chat through the engine, with and without kvlayer")
+    demo.add_argument("--model", help="model folder (default: a random 'small' model made once)")
+    demo.add_argument("--home", default=home, help="where made models and the disk cache live")
+    demo.add_argument("--device", default="cpu")
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--kv-config", help="kvlayer YAML config (default: CPU + disk tiers under --home)")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    _add_bench(bench, "engine", "engine_bench", "prefill and decode throughput vs transformers", home)
+    _add_bench(bench, "ttft", "ttft", "time to first token: recompute vs each kvlayer tier", home)
+    return p
+
+
+def _add_bench(sub: argparse._SubParsersAction, name: str, module: str, help_: str, home: str) -> None:
+    import importlib
+
+    b = sub.add_parser(name, help=help_)
+    b.add_argument("--model", help="model folder (default: a random 'bench' model made once)")
+    b.add_argument("--home", default=home)
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--json", help="also write the results as JSON to this path")
+    b.set_defaults(func=_bench, bench_module=module)
+    importlib.import_module(f"kvlayer.benchmarks.{module}").add_arguments(b)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvlayer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

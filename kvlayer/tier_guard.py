@@ -1,0 +1,103 @@
+"""``GuardedTier``: one storage backend behind a deadline, a health state and counters.
+
+The tier manager makes every backend call through ``GuardedTier.call``: the call gets the
+deadline; an exception or a timeout is counted (``errors``/``timeouts``), fed to the tier's
+``TierHealth``, logged at most once per ``LOG_EVERY_S`` per tier, and raised as
+``TierFailure`` for the manager to turn into a miss. Runs on the I/O loop, except
+``sync_stats``, which any thread may call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from kvlayer.health import Clock, LogThrottle, TierHealth
+from kvlayer.metrics import TierMetrics
+from kvlayer.storage import StorageBackend
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LOG_EVERY_S = 30.0
+_HISTOGRAM_OF = {"get_many": "get_seconds", "put_many": "put_seconds"}
+_SYNCED_STATS = ("evictions", "checksum_errors")
+"""Backend ``stats()`` counters mirrored into the tier's metrics."""
+
+
+class TierFailure(Exception):
+    """A tier call failed or timed out (already counted and logged)."""
+
+
+class GuardedTier:
+    """``backend`` with its health, metrics and log throttle; ``deadline_s`` bounds every call."""
+
+    def __init__(self, backend: StorageBackend, metrics: TierMetrics, deadline_s: float,
+                 unhealthy_after: int, clock: Clock = time.monotonic) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.metrics = metrics
+        self.health = TierHealth(unhealthy_after, clock=clock)
+        self._deadline = deadline_s
+        self._throttle = LogThrottle(LOG_EVERY_S, clock=clock)
+        self._lock = threading.Lock()
+        self._seen_stats: dict[str, int] = {}
+
+    @property
+    def in_memory(self) -> bool:
+        return self.backend.in_memory
+
+    def usable(self) -> bool:
+        """Whether calls may go to the tier now; a skip of an unhealthy tier is counted."""
+        if self.health.available():
+            return True
+        self.metrics.inc("skipped_unhealthy")
+        return False
+
+    async def call(self, op: str, call: Awaitable[T]) -> T:
+        """``await call`` (the backend's method ``op``) under the deadline.
+
+        Raises ``TierFailure`` (counted, logged, fed to the health state) on any exception or
+        timeout; records latency for get_many/put_many and a success otherwise.
+        """
+        start = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(call, self._deadline)
+        except TimeoutError as e:
+            self._failed("timeouts", op, f"no answer within {self._deadline:g} s")
+            raise TierFailure from e
+        except Exception as e:
+            self._failed("errors", op, repr(e))
+            raise TierFailure from e
+        histogram = _HISTOGRAM_OF.get(op)
+        if histogram is not None:
+            self.metrics.observe(histogram, time.perf_counter() - start)
+        if self.health.record_success():
+            log.info("kvlayer tier %s is healthy again", self.name)
+        self.sync_stats()
+        return result
+
+    def sync_stats(self) -> None:
+        """Mirror growth of the backend's own counters (evictions, checksum errors) into metrics."""
+        stats = self.backend.stats()
+        with self._lock:
+            for name in _SYNCED_STATS:
+                delta = stats.get(name, 0) - self._seen_stats.get(name, 0)
+                if delta > 0:
+                    self.metrics.inc(name, delta)
+                    self._seen_stats[name] = stats[name]
+
+    def _failed(self, counter: str, op: str, why: str) -> None:
+        self.metrics.inc(counter)
+        if self.health.record_failure():
+            log.warning("kvlayer tier %s: %s failed (%s); marked unhealthy after %d consecutive failures, "
+                        "skipped for %.0f s", self.name, op, why, self.health.consecutive_failures,
+                        self.health.backoff_s)
+        elif self._throttle.allow():
+            more = self._throttle.last_suppressed
+            log.warning("kvlayer tier %s: %s failed (%s); treated as a miss%s", self.name, op, why,
+                        f" ({more} similar failures not logged)" if more else "")

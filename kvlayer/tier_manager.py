@@ -1,0 +1,360 @@
+"""``TierManager``: the tiers seen as one prefix store, from the engine thread.
+
+Each call runs coroutines on the ``IOLoop`` and waits only for what the caller needs now
+(ARCHITECTURE.md section 5):
+
+- ``lookup``: the longest prefix of keys present in the union of the tiers (chunk i may be in
+  one tier and chunk i+1 in another). Rounds ask the usable tiers ``contains_prefix(rest)``
+  (the memory tiers first, the others together only if the memory tiers lack part of
+  ``rest``) and advance by the best answer, until no tier advances.
+- ``retrieve``: asks the tiers top-down for the chunks still missing; returns the longest
+  prefix found. Chunks from a lower tier are promoted into every upper tier in the background.
+- ``store``: puts into the top tier now when it is a memory tier, and writes through to the
+  other tiers in the background (skipping the leading keys a tier already holds).
+
+Failures (``kvlayer.tier_guard``): every backend call has the deadline
+``config.tier_timeout_ms``; an exception or a timeout is a miss for that tier (for that chunk
+and every later one in the call), a counter and a rate-limited log line, never an exception
+for the caller; a tier failing ``config.unhealthy_after`` times in a row is skipped until its
+backoff expires (``kvlayer.health``). A failing tier costs a call at most one deadline; as a
+last guard against a blocked loop, a call gives up (a miss) after (tiers + 1) deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from kvlayer.config import KVLayerConfig
+from kvlayer.health import Clock, LogThrottle
+from kvlayer.io_loop import IOLoop
+from kvlayer.keys import ChunkKey
+from kvlayer.memory import MemoryObj
+from kvlayer.metrics import Metrics
+from kvlayer.storage import StorageBackend
+from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier, TierFailure
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_KeysOp = Callable[[StorageBackend], Callable[[list[ChunkKey]], Awaitable[int]]]
+"""Picks a backend's batched method that answers a count (pin, unpin, remove)."""
+_Plan = list[tuple[GuardedTier, list[ChunkKey], list[MemoryObj]]]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The cached prefix: ``num_chunks`` leading keys (``num_tokens`` tokens), and per tier
+    name how many of them were found first (topmost) in that tier (every asked tier listed)."""
+
+    num_chunks: int
+    num_tokens: int
+    per_tier: dict[str, int]
+
+
+class TierManager:
+    """Synchronous tiered store for the engine thread; see the module docstring for the policy.
+
+    ``backends`` (distinct names) are ordered by ``rank``, top first. The manager uses but does
+    not own ``loop``: close the manager, then the loop. Never call it on the loop thread.
+    """
+
+    def __init__(self, backends: Sequence[StorageBackend], loop: IOLoop, config: KVLayerConfig,
+                 metrics: Metrics, clock: Clock = time.monotonic) -> None:
+        names = [b.name for b in backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        deadline = config.tier_timeout_ms / 1000
+        self._tiers = [GuardedTier(b, metrics.tier(b.name), deadline, config.unhealthy_after, clock)
+                       for b in sorted(backends, key=lambda b: b.rank)]
+        self._loop = loop
+        self._metrics = metrics
+        self._deadline = deadline
+        self._op_timeout = deadline * (len(self._tiers) + 1)
+        self._op_throttle = LogThrottle(LOG_EVERY_S, clock=clock)
+        self._idle = threading.Condition()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._closed = False
+        metrics.set_gauge_source(self._gauges)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    # --- the engine-facing calls --------------------------------------------------------
+    def lookup(self, keys: Sequence[ChunkKey], record: bool = True) -> LookupResult:
+        """How many leading ``keys`` the tiers hold together; no data moves; never raises for a tier.
+
+        ``record=False`` leaves the lookup counters alone (an internal presence check).
+        """
+        keys = list(keys)
+        miss = LookupResult(0, 0, {})
+        return self._run(self._lookup(keys, record), "lookup", miss) if keys else miss
+
+    def retrieve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """The chunks of the longest prefix of ``keys`` the tiers hold, in order.
+
+        Each returned object carries one reference owned by the caller, who releases it. The
+        objects may live on different devices (the tier's own memory, or staging memory).
+        """
+        keys = list(keys)
+        if not keys:
+            return []
+        discard: Callable[[tuple[list[MemoryObj], list[int]]], None] = lambda r: _release(r[0])
+        objs, sources = self._run(self._retrieve(keys), "retrieve", ([], []), discard)
+        self._promote(keys, objs, sources)
+        return objs
+
+    def store(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+        """Store ``chunks[i]`` under ``keys[i]`` in every tier; returns once the top memory tier has them.
+
+        The caller keeps its references and may release them as soon as this returns (the
+        manager holds its own for the background writes). ``ValueError`` if lengths differ.
+        """
+        keys, chunks = list(keys), list(chunks)
+        if len(keys) != len(chunks):
+            raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
+        self._check_open()
+        if not keys or not self._tiers:
+            return
+        top = self._tiers[0] if self._tiers[0].in_memory else None
+        if top is not None:
+            self._run(self._put(top, keys, chunks, skip_present=False), "store", None)
+        rest = [t for t in self._tiers if t is not top]
+        if rest:
+            self._background(self._write_through(rest, keys, chunks), chunks)
+
+    def pin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
+        """Pin the present ``keys`` in ``tier`` (every tier if None); returns how many were pinned."""
+        return self._broadcast(keys, tier, "pin", lambda b: b.pin)
+
+    def unpin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
+        """Undo one pin of each pinned key in ``tier`` (every tier if None); returns how many."""
+        return self._broadcast(keys, tier, "unpin", lambda b: b.unpin)
+
+    def remove(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
+        """Remove the present, unpinned ``keys`` from ``tier`` (every tier if None); returns how many."""
+        return self._broadcast(keys, tier, "remove", lambda b: b.remove)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until background writes and promotions are done (their references released);
+        False if ``timeout`` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Plain data: ``{"tiers": {name: {<every counter and histogram of kvlayer.metrics>,
+        rank, in_memory, used_bytes, capacity_bytes, health: {...}, backend: {...}}},
+        "pending_writes": int}`` (``backend`` is the backend's own ``stats()``)."""
+        tiers = {}
+        for t in self._tiers:
+            t.sync_stats()
+            used, capacity = t.backend.usage()
+            tiers[t.name] = {**t.metrics.snapshot(), "rank": t.backend.rank, "in_memory": t.in_memory,
+                             "used_bytes": used, "capacity_bytes": capacity, "health": t.health.snapshot(),
+                             "backend": t.backend.stats()}
+        with self._idle:
+            pending = len(self._pending)
+        return {"tiers": tiers, "pending_writes": pending}
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for background writes (up to ``timeout`` s), then close every backend; idempotent."""
+        if self._closed:
+            return
+        if not self.flush(timeout):
+            log.warning("kvlayer: closing with background writes still running")
+        self._run(self._close_all(), "close", None)
+        self._closed = True
+        self._metrics.set_gauge_source(None)
+
+    # --- coroutines on the loop ---------------------------------------------------------
+    async def _lookup(self, keys: list[ChunkKey], record: bool) -> LookupResult:
+        tiers = [t for t in self._tiers if t.usable()]
+        for t in tiers if record else ():
+            t.metrics.inc("lookups")
+        per_tier = {t.name: 0 for t in tiers}
+        n = 0
+        while n < len(keys) and tiers:
+            counts = await self._contains_round(tiers, keys[n:])
+            tiers = [t for t in tiers if t in counts]
+            covered = 0
+            for t in tiers:  # chunk i is found first in the topmost tier holding more than i
+                if counts[t] > covered:
+                    if record:
+                        t.metrics.inc("lookup_hit_chunks", counts[t] - covered)
+                    per_tier[t.name] += counts[t] - covered
+                    covered = counts[t]
+            if covered == 0:
+                break
+            n += covered
+        return LookupResult(n, sum(k.num_tokens for k in keys[:n]), per_tier)
+
+    async def _contains_round(self, tiers: list[GuardedTier], rest: list[ChunkKey]) -> dict[GuardedTier, int]:
+        """Each tier's leading count of ``rest`` (0 if it was not asked); failed tiers are left out."""
+        counts: dict[GuardedTier, int] = {}
+        for wave in ([t for t in tiers if t.in_memory], [t for t in tiers if not t.in_memory]):
+            if max(counts.values(), default=0) >= len(rest):
+                counts.update(dict.fromkeys(wave, 0))
+                continue
+            calls = (t.call("contains_prefix", t.backend.contains_prefix(rest)) for t in wave)
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+            for t, answer in zip(wave, answers):
+                if not isinstance(answer, BaseException):
+                    counts[t] = max(0, min(int(answer), len(rest)))
+        return counts
+
+    async def _retrieve(self, keys: list[ChunkKey]) -> tuple[list[MemoryObj], list[int]]:
+        """The found prefix and, per chunk, the index of the tier it came from."""
+        found: list[MemoryObj | None] = [None] * len(keys)
+        source = [-1] * len(keys)
+        try:
+            for i, tier in enumerate(self._tiers):
+                missing = [j for j, obj in enumerate(found) if obj is None]
+                if not missing or not tier.usable():
+                    continue
+                try:
+                    got = await tier.call("get_many", _get_many(tier.backend, [keys[j] for j in missing]))
+                except TierFailure:
+                    continue
+                for j, obj in zip(missing, got):
+                    if obj is not None:
+                        found[j], source[j] = obj, i
+                        tier.metrics.inc("get_chunks")
+                        tier.metrics.inc("get_bytes", obj.nbytes)
+        except BaseException:
+            _release([obj for obj in found if obj is not None])
+            raise
+        n = found.index(None) if None in found else len(found)
+        _release([obj for obj in found[n:] if obj is not None])
+        for key, src in zip(keys[:n], source[:n]):  # tokens served, credited to their tier
+            self._tiers[src].metrics.inc("hit_tokens", key.num_tokens)
+        return [obj for obj in found[:n] if obj is not None], source[:n]
+
+    async def _put(self, tier: GuardedTier, keys: list[ChunkKey], chunks: list[MemoryObj], skip_present: bool,
+                   counter: str | None = None) -> None:
+        """Put into one tier (after its leading present keys if ``skip_present``); failures are misses."""
+        if not tier.usable():
+            return
+        try:
+            n = await tier.call("contains_prefix", tier.backend.contains_prefix(keys)) if skip_present else 0
+            if n < len(keys):
+                await tier.call("put_many", tier.backend.put_many(keys[n:], chunks[n:]))
+        except TierFailure:
+            return
+        tier.metrics.inc("put_chunks", len(keys) - n)
+        tier.metrics.inc("put_bytes", sum(c.nbytes for c in chunks[n:]))
+        if counter is not None:
+            tier.metrics.inc(counter, len(keys) - n)
+
+    async def _write_through(self, tiers: list[GuardedTier], keys: list[ChunkKey],
+                             chunks: list[MemoryObj]) -> None:
+        await asyncio.gather(*(self._put(t, keys, chunks, skip_present=True) for t in tiers))
+
+    async def _promote_into(self, plan: _Plan) -> None:
+        await asyncio.gather(*(self._put(t, k, c, False, "promotions") for t, k, c in plan))
+
+    async def _broadcast_async(self, tiers: list[GuardedTier], keys: list[ChunkKey], what: str,
+                               pick: _KeysOp) -> int:
+        calls = (t.call(what, pick(t.backend)(keys)) for t in tiers if t.usable())
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        return sum(int(a) for a in answers if not isinstance(a, BaseException))
+
+    async def _close_all(self) -> None:
+        calls = (asyncio.wait_for(t.backend.close(), self._deadline) for t in self._tiers)
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        for t, answer in zip(self._tiers, answers):
+            if isinstance(answer, BaseException):
+                log.warning("kvlayer tier %s: close failed: %r", t.name, answer)
+
+    # --- engine-thread helpers ----------------------------------------------------------
+    def _run(self, coro: Coroutine[Any, Any, T], what: str, miss: T,
+             discard: Callable[[T], None] | None = None) -> T:
+        """Run ``coro`` on the loop under the last-guard timeout; ``miss`` (logged) if it passes."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the TierManager is closed")
+        try:
+            return self._loop.run(coro, self._op_timeout, discard)
+        except TimeoutError:
+            if self._op_throttle.allow():
+                log.warning("kvlayer: %s did not finish within %.1f s (is the I/O loop blocked?); "
+                            "treated as a miss", what, self._op_timeout)
+            return miss
+
+    def _background(self, job: Coroutine[Any, Any, None], hold: Sequence[MemoryObj]) -> None:
+        """Run ``job`` on the loop, holding one reference to each of ``hold`` until it is done."""
+        held = [obj.ref() for obj in hold]
+        try:
+            fut = self._loop.submit(job)
+        except BaseException:
+            _release(held)
+            raise
+        with self._idle:
+            self._pending.add(fut)
+        # Called once the job's task is over (finished, failed or cancelled, even before it
+        # started), so the references are no longer in use when they are released.
+        fut.add_done_callback(partial(self._job_done, held))
+
+    def _job_done(self, held: list[MemoryObj], fut: concurrent.futures.Future[Any]) -> None:
+        _release(held)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("kvlayer background write failed", exc_info=fut.exception())
+        with self._idle:
+            self._pending.discard(fut)
+            self._idle.notify_all()
+
+    def _promote(self, keys: list[ChunkKey], objs: list[MemoryObj], sources: list[int]) -> None:
+        """Start putting the chunks that came from lower tiers into every tier above their source."""
+        plan: _Plan = []
+        for i, tier in enumerate(self._tiers):
+            idx = [j for j, s in enumerate(sources) if s > i]
+            if idx:
+                plan.append((tier, [keys[j] for j in idx], [objs[j] for j in idx]))
+        if plan:
+            self._background(self._promote_into(plan), [objs[j] for j, s in enumerate(sources) if s > 0])
+
+    def _broadcast(self, keys: Sequence[ChunkKey], tier: str | None, what: str, pick: _KeysOp) -> int:
+        """Sum of ``pick(backend)(keys)`` over the selected usable tiers (a failure counts 0)."""
+        tiers = self._select(tier)
+        keys = list(keys)
+        return self._run(self._broadcast_async(tiers, keys, what, pick), what, 0) if keys else 0
+
+    def _select(self, tier: str | None) -> list[GuardedTier]:
+        if tier is None:
+            return list(self._tiers)
+        chosen = [t for t in self._tiers if t.name == tier]
+        if not chosen:
+            raise ValueError(f"unknown tier {tier!r}; tiers: {self.tier_names}")
+        return chosen
+
+    def _gauges(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for t in self._tiers:
+            used, capacity = t.backend.usage()
+            out[t.name] = {"used_bytes": used, "capacity_bytes": capacity, "healthy": float(t.health.healthy)}
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the TierManager is closed")
+
+
+async def _get_many(backend: StorageBackend, keys: list[ChunkKey]) -> list[MemoryObj | None]:
+    """``backend.get_many`` with its answer checked (a wrong length is the backend's error)."""
+    got = await backend.get_many(keys)
+    if len(got) != len(keys):
+        _release([obj for obj in got if obj is not None])
+        raise ValueError(f"get_many returned {len(got)} results for {len(keys)} keys")
+    return got
+
+
+def _release(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.release()
