@@ -1,0 +1,238 @@
+"""Chunk files of the NVMe tier: where they live, how they are written, read and found again.
+
+Layout under the tier's root: ``<hex[0:2]>/<hex[2:4]>/<hex>-<start>.kvc`` where ``hex`` is
+the key digest in hex and ``start`` the chunk's first token position. The chunk header
+(``kvlayer.serde``) carries the key but not ``start``, which the eviction policy wants back
+after a restart, so the name keeps it.
+
+A file is written with aiofiles to ``.tmp-<random>`` in its final folder and renamed into
+place with ``os.replace``: a crash leaves at most a temporary file (removed by the next
+``scan``), never a half chunk under a real name. Only ``.kvc`` and ``.tmp-*`` files are ever deleted;
+anything else under the root is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiofiles
+import aiofiles.os
+import torch
+
+from kvlayer import serde
+from kvlayer.keys import ChunkKey
+
+CHUNK_SUFFIX = ".kvc"
+TEMP_PREFIX = ".tmp-"
+_NAME = re.compile(r"^([0-9a-f]{8,})-([0-9]+)\.kvc$")
+
+
+def chunk_path(root: str, digest: bytes, start: int) -> str:
+    """The path of the chunk file for key ``digest`` starting at token ``start``."""
+    hx = digest.hex()
+    return os.path.join(root, hx[:2], hx[2:4], f"{hx}-{start}{CHUNK_SUFFIX}")
+
+
+def parse_chunk_name(name: str) -> tuple[bytes, int] | None:
+    """``(digest, start)`` from a chunk file's name, or None if it is not one."""
+    m = _NAME.match(name)
+    if m is None or len(m.group(1)) % 2:
+        return None
+    return bytes.fromhex(m.group(1)), int(m.group(2))
+
+
+@dataclass(frozen=True, slots=True)
+class FoundChunk:
+    """A chunk file that passed the start-up check (header valid, name and size match it)."""
+
+    digest: bytes
+    path: str
+    size: int
+    start: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    """What ``scan`` found: good chunks (oldest first) and how many files it removed or skipped."""
+
+    chunks: list[FoundChunk]
+    removed: int
+    unreadable: int
+
+
+def scan(root: str) -> ScanResult:
+    """Find the chunk files under ``root`` (created if missing), reading headers only.
+
+    Stray temporary files and chunk files whose header is invalid, names another key or
+    promises another length are deleted. Files that cannot be read are skipped and counted.
+    Blocking: run it in a worker thread. Raises OSError only when ``root`` itself is unusable.
+    """
+    os.makedirs(root, exist_ok=True)
+    found: list[FoundChunk] = []
+    removed = unreadable = 0
+    for path, name in _files_at_depth_two(root):
+        if name.startswith(TEMP_PREFIX):
+            removed += unlink_quietly(path)
+            continue
+        parsed = parse_chunk_name(name)
+        if parsed is None:
+            continue
+        try:
+            chunk = _check_file(path, *parsed)
+        except OSError:
+            unreadable += 1
+            continue
+        if chunk is None:
+            removed += unlink_quietly(path)
+        else:
+            found.append(chunk)
+    found.sort(key=lambda c: c.mtime_ns)
+    return ScanResult(found, removed, unreadable)
+
+
+def _files_at_depth_two(root: str) -> list[tuple[str, str]]:
+    out = []
+    for top in _subdirs(root):
+        for sub in _subdirs(top):
+            with contextlib.suppress(OSError), os.scandir(sub) as it:
+                out.extend((e.path, e.name) for e in it if e.is_file(follow_symlinks=False))
+    return out
+
+
+def _subdirs(path: str) -> list[str]:
+    with contextlib.suppress(OSError), os.scandir(path) as it:
+        return [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    return []
+
+
+def _check_file(path: str, digest: bytes, start: int) -> FoundChunk | None:
+    """The file as a found chunk, or None when its header does not vouch for it."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        head = f.read(serde.HEADER_SIZE)
+    try:
+        header = serde.decode_header(head)
+    except serde.ChunkFormatError:
+        return None
+    if header.key != digest or st.st_size != serde.HEADER_SIZE + header.payload_len:
+        return None
+    return FoundChunk(digest, path, st.st_size, start, st.st_mtime_ns)
+
+
+async def write_parts(f: aiofiles.threadpool.binary.AsyncBufferedIOBase,
+                      parts: Sequence[bytes | memoryview]) -> None:
+    """Write ``parts`` back to back to an open file (the seam tests inject faults at)."""
+    for part in parts:
+        await f.write(part)
+
+
+async def write_file(path: str, parts: Sequence[bytes | memoryview], fsync: bool) -> None:
+    """Atomically create ``path`` holding ``parts``, through a temporary file and a rename.
+
+    With ``fsync`` the file and then its folder are flushed to the device before returning.
+    On any error (ENOSPC, EROFS, EACCES, cancellation) the temporary file is removed and the
+    error propagates; ``path`` is then untouched.
+    """
+    folder = os.path.dirname(path)
+    await aiofiles.os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, TEMP_PREFIX + secrets.token_hex(8))
+    try:
+        async with aiofiles.open(tmp, "xb") as f:
+            await write_parts(f, parts)
+            await f.flush()
+            if fsync:
+                await asyncio.to_thread(os.fsync, f.fileno())
+        # Synchronous on purpose: a rename is one quick metadata call, and doing it inline
+        # means a cancellation can never land between "renamed" and "known to be renamed".
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    if fsync:
+        await asyncio.to_thread(_fsync_dir, folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_chunk(path: str, key: ChunkKey, out: torch.Tensor, file_size: int) -> int:
+    """Read the chunk file at ``path`` into ``out`` and verify it is ``key``'s; the bytes read.
+
+    A raw chunk file (``file_size`` is the header plus ``out``'s bytes) is read with one
+    ``readv`` straight into ``out`` and verified there (``decode_payload`` of ``out``'s own
+    bytes only checks them: numpy skips a copy onto itself); any other file (lz4) is read
+    whole, then decoded into ``out``. Raises ChunkFormatError when the file is not a valid
+    chunk of ``key`` with ``out``'s shape and dtype, OSError when it cannot be read; ``out``
+    then holds garbage. Blocking: run it in a worker thread.
+    """
+    dst = memoryview(out.view(-1).view(torch.uint8).numpy())
+    raw_end = serde.HEADER_SIZE + len(dst)
+    if file_size == raw_end:
+        head = bytearray(serde.HEADER_SIZE)
+        n = read_into(path, (head, dst, bytearray(1)))
+        if n > raw_end:
+            raise serde.ChunkFormatError(f"the file is {n - raw_end} bytes longer than its chunk")
+        head_view, payload = memoryview(head)[:n], dst[: max(n - serde.HEADER_SIZE, 0)]
+    else:
+        data = memoryview(read_file(path))
+        head_view, payload = data[: serde.HEADER_SIZE], data[serde.HEADER_SIZE :]
+    header = serde.decode_header(head_view)
+    serde.check_header(header, key, tuple(out.shape), out.dtype)
+    serde.decode_payload(header, payload, out)
+    return len(head_view) + len(payload)
+
+
+def read_file(path: str) -> bytes:
+    """The whole file, in one large read. Blocking: run it in a worker thread.
+
+    Not aiofiles: a cancelled ``aiofiles.open`` leaves the descriptor it opened to the
+    garbage collector, and one thread hop (open, read, close) beats three.
+    """
+    with open(path, "rb", buffering=0) as f:
+        return f.readall()
+
+
+def read_into(path: str, buffers: Sequence[bytearray | memoryview]) -> int:
+    """Fill ``buffers`` in order from the start of the file; the bytes read (less at its end).
+
+    One ``readv`` call in the usual case, so a chunk lands in its destination with no copy.
+    Blocking: run it in a worker thread.
+    """
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while views:
+            n = os.readv(f.fileno(), views)
+            if n == 0:
+                break
+            total += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if views:
+                views[0] = views[0][n:]
+    return total
+
+
+def unlink_quietly(path: str) -> bool:
+    """Delete ``path``; False (no error) when it is already gone or cannot be deleted.
+
+    Synchronous: an unlink is one quick metadata call, and doing it inline keeps the index
+    and the folder in step (no other coroutine runs between the two).
+    """
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True

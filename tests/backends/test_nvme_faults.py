@@ -1,0 +1,309 @@
+"""Fault injection for the NVMe tier: every fault is a miss (or a failed put), a counter, no exception.
+
+Covers corrupt, truncated, swapped, replaced and vanished files, EIO on read, ENOSPC, EACCES
+and EROFS on write, a read-only folder, the start-up scan, and a writer killed with SIGKILL.
+Run: ``.venv/bin/python -m pytest tests/backends/test_nvme_faults.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiofiles
+import aiofiles.os
+import pytest
+import torch
+
+from kvlayer import serde
+from kvlayer.backends import nvme_files
+from kvlayer.keys import ChunkKey
+from kvlayer.layout import KVLayout
+from tests.backends.test_nvme import (
+    chain,
+    expected,
+    fingerprint,
+    get_fingerprints,
+    make_backend,
+    put_keys,
+    run,
+    run_child,
+    temp_files,
+)
+
+
+def file_of(root: Path, key: ChunkKey) -> Path:
+    return Path(nvme_files.chunk_path(str(root), key.digest, key.start))
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+
+
+CORRUPTIONS: dict[str, Callable[[Path, Path], None]] = {
+    "payload bit flip": lambda victim, other: flip_bit(victim, serde.HEADER_SIZE + 77),
+    "header bit flip": lambda victim, other: flip_bit(victim, 20),
+    "truncated": lambda victim, other: truncate(victim),
+    "extended": lambda victim, other: victim.write_bytes(victim.read_bytes() + b"tail"),
+    "replaced by another key's valid chunk": lambda victim, other: shutil.copyfile(other, victim),
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS.keys())
+def test_a_corrupt_file_is_a_counted_miss_and_is_deleted(tmp_path: Path,
+                                                         corrupt: Callable[[Path, Path], None]) -> None:
+    keys = chain(3)
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        await put_keys(backend, keys)
+        corrupt(file_of(tmp_path, keys[1]), file_of(tmp_path, keys[2]))
+        want = expected(keys)
+        assert await get_fingerprints(backend, keys) == [want[0], None, want[2]]
+        assert backend.stats()["checksum_errors"] == 1
+        assert not file_of(tmp_path, keys[1]).exists()
+        assert await backend.contains_prefix(keys) == 1
+        assert backend._staging.used_count == 0
+
+    run(scenario())
+
+
+def test_files_swapped_between_two_keys_are_both_misses(tmp_path: Path) -> None:
+    keys = chain(2)
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        await put_keys(backend, keys)
+        a, b = file_of(tmp_path, keys[0]), file_of(tmp_path, keys[1])
+        tmp = a.with_name("swap")
+        a.rename(tmp)
+        b.rename(a)
+        tmp.rename(b)
+        assert await get_fingerprints(backend, keys) == [None, None]
+        assert backend.stats()["checksum_errors"] == 2 and backend.stats()["misses"] == 2
+        assert backend.keys() == []
+
+    run(scenario())
+
+
+def test_a_file_deleted_behind_the_index_is_an_io_miss(tmp_path: Path) -> None:
+    keys = chain(2)
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        await put_keys(backend, keys)
+        file_of(tmp_path, keys[0]).unlink()
+        assert await get_fingerprints(backend, keys) == [None, expected(keys)[1]]
+        assert backend.stats()["io_errors"] == 1
+        assert await backend.contains_prefix(keys[:1]) == 0
+
+    run(scenario())
+
+
+def test_eio_on_read_is_a_miss_logged_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    keys = chain(3)
+
+    def broken_read(path: str, *args: Any) -> Any:
+        raise OSError(errno.EIO, "Input/output error", path)
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        await put_keys(backend, keys)
+        monkeypatch.setattr(nvme_files, "read_file", broken_read)
+        monkeypatch.setattr(nvme_files, "read_into", broken_read)
+        with caplog.at_level(logging.WARNING, logger="kvlayer.backends.nvme"):
+            assert await get_fingerprints(backend, keys) == [None] * 3
+        assert backend.stats()["io_errors"] == 3
+        assert len(caplog.records) == 1, "one log line per kind of fault, not one per chunk"
+        assert await backend.contains_prefix(keys) == 3, "an EIO may pass: the file is kept"
+        monkeypatch.undo()
+        assert await get_fingerprints(backend, keys) == expected(keys)
+
+    run(scenario())
+
+
+async def _write_then_fill_the_disk(f: Any, parts: Any) -> None:
+    await f.write(parts[0])
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _refuse_write_opens(code: int) -> Callable[..., Any]:
+    real_open = aiofiles.open
+
+    def fake_open(path: str, mode: str = "r", *args: Any, **kw: Any) -> Any:
+        if "r" not in mode:
+            raise OSError(code, os.strerror(code), path)
+        return real_open(path, mode, *args, **kw)
+
+    return fake_open
+
+
+async def _refuse_mkdir(path: str, *args: Any, **kw: Any) -> None:
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+
+WRITE_FAULTS: dict[str, tuple[Any, str, Any]] = {
+    "ENOSPC mid-write": (nvme_files, "write_parts", _write_then_fill_the_disk),
+    "EACCES at open": (aiofiles, "open", _refuse_write_opens(errno.EACCES)),
+    "EROFS at open": (aiofiles, "open", _refuse_write_opens(errno.EROFS)),
+    "EROFS at mkdir": (aiofiles.os, "makedirs", _refuse_mkdir),
+}
+
+
+@pytest.mark.parametrize("fault", WRITE_FAULTS.values(), ids=WRITE_FAULTS.keys())
+def test_failed_writes_are_counted_and_reads_go_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   fault: tuple[Any, str, Any]) -> None:
+    old, new, later = chain(3, seed=1), chain(3, seed=2), chain(2, seed=3)
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        await put_keys(backend, old)
+        used = backend.usage()
+        monkeypatch.setattr(*fault)
+        await put_keys(backend, new)
+        assert backend.stats()["write_errors"] == 3
+        assert temp_files(tmp_path) == []
+        assert backend.usage() == used
+        assert await backend.contains_prefix(new) == 0
+        assert await get_fingerprints(backend, old) == expected(old)
+        monkeypatch.undo()
+        await put_keys(backend, later)
+        assert await get_fingerprints(backend, later) == expected(later)
+
+    run(scenario())
+
+
+def test_a_read_only_folder_fails_puts_cleanly(tmp_path: Path) -> None:
+    old, new = chain(2, seed=1), chain(3, seed=2)
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        await put_keys(backend, old)
+        folders = [tmp_path, *(p for p in tmp_path.rglob("*") if p.is_dir())]
+        for d in folders:
+            d.chmod(0o555)
+        try:
+            await put_keys(backend, new)  # root ignores the mode bits; others get EACCES
+        finally:
+            for d in folders:
+                d.chmod(0o755)
+        stats = backend.stats()
+        assert stats["write_errors"] + stats["puts"] == len(old) + len(new)
+        if os.geteuid() != 0:
+            assert stats["write_errors"] == len(new)
+        assert await get_fingerprints(backend, old) == expected(old)
+
+    run(scenario())
+    assert temp_files(tmp_path) == []
+
+
+def test_the_start_up_scan_removes_strays_and_keeps_foreign_files(tmp_path: Path) -> None:
+    keys = chain(4)
+    run(put_keys(make_backend(tmp_path), keys))
+    stray = file_of(tmp_path, keys[0]).with_name(nvme_files.TEMP_PREFIX + "deadbeef")
+    stray.write_bytes(b"half a chunk")
+    truncate(file_of(tmp_path, keys[1]))
+    shutil.copyfile(file_of(tmp_path, keys[3]), file_of(tmp_path, keys[2]))  # misnamed
+    foreign = file_of(tmp_path, keys[0]).with_name("notes.txt")
+    foreign.write_text("not ours")
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path)
+        assert await get_fingerprints(backend, keys) == [expected(keys)[0], None, None, expected(keys)[3]]
+        assert backend.stats()["scan_removed"] == 3
+        assert backend.stats()["checksum_errors"] == 0, "bad files never reached a read"
+
+    run(scenario())
+    assert foreign.exists() and not stray.exists()
+    assert len(list(tmp_path.rglob("*.kvc"))) == 2
+
+
+def test_a_capacity_below_what_is_on_disk_evicts_at_start_up(tmp_path: Path) -> None:
+    keys = chain(4)
+    run(put_keys(make_backend(tmp_path), keys))
+    size = file_of(tmp_path, keys[0]).stat().st_size
+
+    async def scenario() -> None:
+        backend = make_backend(tmp_path, nvme_capacity=2 * size)
+        assert len(await backend.get_many([])) == 0
+        assert backend.usage() == (2 * size, 2 * size) and backend.stats()["evictions"] == 2
+
+    run(scenario())
+    assert len(list(tmp_path.rglob("*.kvc"))) == 2
+
+
+# --- a writer killed with SIGKILL ----------------------------------------------------------
+BIG = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype=torch.float32, block_size=16)
+BIG_CHUNK = 64  # 1 MiB chunks
+BIG_KEYS = 300
+
+
+async def _write_slowly(f: Any, parts: Any) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for i in range(0, len(view), 1 << 16):
+            await f.write(view[i : i + (1 << 16)])
+            await asyncio.sleep(0.001)
+
+
+async def write_forever(root: str) -> None:
+    """Run by the child process: write BIG chunks in batches until killed.
+
+    Each write stalls between 64 KiB pieces, so that the kill lands inside some of them.
+    """
+    nvme_files.write_parts = _write_slowly
+    backend = make_backend(root, layout=BIG, chunk=BIG_CHUNK, staging_slots=1)
+    keys = chain(BIG_KEYS, seed=3, layout=BIG, chunk=BIG_CHUNK)
+    for i in range(0, len(keys), 8):
+        await put_keys(backend, keys[i : i + 8], BIG)
+
+
+def test_a_writer_killed_mid_write_leaves_only_whole_chunks(tmp_path: Path) -> None:
+    child = run_child("import asyncio; from tests.backends.test_nvme_faults import write_forever; "
+                      "asyncio.run(write_forever(sys.argv[1]))", str(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while (len(list(tmp_path.rglob("*.kvc"))) < 12 or not temp_files(tmp_path)) \
+                and time.monotonic() < deadline:
+            assert child.poll() is None, "the writer ended before it was killed"
+            time.sleep(0.005)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    whole = serde.HEADER_SIZE + BIG.chunk_bytes(BIG_CHUNK)
+    assert all(p.stat().st_size == whole for p in tmp_path.rglob("*.kvc")), "a half chunk has a real name"
+    strays = len(temp_files(tmp_path))
+    assert strays > 0, "the kill should have caught a write half way"
+    keys = chain(BIG_KEYS, seed=3, layout=BIG, chunk=BIG_CHUNK)
+
+    async def scenario() -> int:
+        backend = make_backend(tmp_path, layout=BIG, chunk=BIG_CHUNK, staging_slots=8)
+        served = 0
+        for i in range(0, len(keys), 8):
+            for key, objs in zip(keys[i : i + 8], await backend.get_many(keys[i : i + 8])):
+                if objs is not None:
+                    assert fingerprint(objs) == expected([key], BIG)[0]
+                    objs.release()
+                    served += 1
+        assert backend.stats()["scan_removed"] == strays
+        assert backend.stats()["checksum_errors"] == 0
+        return served
+
+    assert run(scenario()) >= 12
+    assert temp_files(tmp_path) == []

@@ -1,0 +1,93 @@
+"""``KVCacheEngine``: the engine-agnostic API, on random paged caches (no model involved)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvlayer import KVCacheEngine, KVLayout
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
+NUM_BLOCKS = 64
+
+
+def caches(fill: bool = True) -> list[torch.Tensor]:
+    shape = (2, NUM_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [torch.randn(shape) if fill else torch.zeros(shape) for _ in range(LAYOUT.num_layers)]
+
+
+def slots_for(n: int, seed: int) -> torch.Tensor:
+    """A random (non-contiguous) block table's slots for n tokens."""
+    blocks = random.Random(seed).sample(range(NUM_BLOCKS), -(-n // LAYOUT.block_size))
+    return torch.tensor([blocks[p // 4] * 4 + p % 4 for p in range(n)])
+
+
+def kv_at(cs: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    return torch.stack([c.view(2, -1, 2, 8)[:, slots] for c in cs])
+
+
+@pytest.fixture
+def engine():
+    with KVCacheEngine({"chunk_size": 8, "cpu_capacity": "1MiB"}, LAYOUT, model_name="m",
+                       model_fingerprint="f") as eng:
+        yield eng
+
+
+def test_store_then_retrieve_into_other_slots(engine):
+    tokens = list(range(100, 130))  # 3 full chunks of 8 + 6 tokens
+    src, src_slots = caches(), slots_for(30, 1)
+    assert engine.lookup(tokens) == 0
+    assert engine.store(tokens, src, src_slots) == 3
+    assert engine.lookup(tokens) == 24
+    assert engine.store(tokens, src, src_slots) == 0  # already held
+    dst, dst_slots = caches(fill=False), slots_for(30, 2)
+    assert engine.retrieve(tokens, dst, dst_slots) == 24
+    assert torch.equal(kv_at(dst, dst_slots[:24]), kv_at(src, src_slots[:24]))
+    assert not kv_at(dst, dst_slots[24:]).any()
+
+
+def test_retrieve_from_start_leaves_earlier_slots_alone(engine):
+    tokens = list(range(7, 39))
+    src, slots = caches(), slots_for(32, 3)
+    engine.store(tokens, src, slots)
+    dst = caches(fill=False)
+    assert engine.retrieve(tokens, dst, slots, start=10) == 32
+    assert not kv_at(dst, slots[:10]).any()
+    assert torch.equal(kv_at(dst, slots[10:]), kv_at(src, slots[10:]))
+
+
+def test_prefix_and_salt(engine):
+    tokens = list(range(50, 82))
+    engine.store(tokens, caches(), slots_for(32, 4))
+    assert engine.lookup(tokens[:20] + [1] * 12) == 16
+    assert engine.lookup(tokens, cache_salt="other") == 0
+    assert engine.lookup([1] + tokens[1:]) == 0  # the chain: a change early misses everything
+
+
+def test_partial_chunks_when_configured():
+    with KVCacheEngine({"chunk_size": 8, "save_partial_chunks": True}, LAYOUT) as eng:
+        tokens = list(range(20))
+        src, slots = caches(), slots_for(20, 5)
+        assert eng.store(tokens, src, slots) == 3
+        assert eng.lookup(tokens) == 20
+        dst = caches(fill=False)
+        assert eng.retrieve(tokens, dst, slots) == 20
+        assert torch.equal(kv_at(dst, slots), kv_at(src, slots))
+
+
+def test_bad_slot_mapping_is_an_error(engine):
+    with pytest.raises(ValueError, match="slot_mapping"):
+        engine.store(list(range(16)), caches(), slots_for(8, 6))
+
+
+def test_stats_and_close_are_idempotent():
+    eng = KVCacheEngine({"chunk_size": 8}, LAYOUT)
+    eng.store(list(range(8)), caches(), slots_for(8, 7))
+    eng.retrieve(list(range(8)), caches(fill=False), slots_for(8, 8))
+    s = eng.stats()["tiers"]["cpu"]
+    assert s["put_chunks"] == 1 and s["hit_tokens"] == 8
+    eng.close()
+    eng.close()
+    assert eng.staging.used_count == 0
