@@ -1,0 +1,328 @@
+"""Tests of the Redis tier (backends/redis.py) against throwaway servers: round trips, key layout,
+TTL, a second process reading, prefix lookups, ACL passwords and TLS.
+
+Run: ``.venv/bin/python -m pytest tests/backends/test_redis.py`` (skips without redis-server).
+Fault injection lives in ``test_redis_faults.py``, which reuses the helpers defined here (as
+does the child process of ``test_second_process_reads``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_sync
+import torch
+
+from kvlayer import serde
+from kvlayer.backends.redis import RedisBackend
+from kvlayer.config import KVLayerConfig
+from kvlayer.keys import ChunkKey
+from kvlayer.layout import KVLayout
+from kvlayer.memory import Arena, MemoryObj
+from kvlayer.storage import BackendContext
+from tests.fakes import chunk_data, make_chunk, make_keys, namespace
+from tests.redis_server import RedisServer, make_tls_files
+
+pytestmark = pytest.mark.redis
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
+CHUNK = 16
+CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
+ROOT = str(Path(__file__).parents[2])
+"""The repository root: the child process imports ``tests.backends.test_redis`` from it."""
+
+
+# --- helpers (also used by test_redis_faults.py and the child process) -------------------
+def make_ctx(url: str | None, staging_slots: int = 64, **config: Any) -> BackendContext:
+    """A context for ``LAYOUT`` and ``CHUNK``-token chunks whose Redis tier is at ``url``."""
+    cfg = KVLayerConfig(chunk_size=CHUNK, cpu_capacity=0, redis_url=url, **config)
+    return BackendContext(cfg, LAYOUT, torch.device("cpu"), Arena(staging_slots * CHUNK_BYTES, CHUNK_BYTES))
+
+
+def make_backend(url: str, staging_slots: int = 64, **config: Any) -> RedisBackend:
+    backend = RedisBackend.create(make_ctx(url, staging_slots, **config))
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+@asynccontextmanager
+async def opened(url: str, staging_slots: int = 64, **config: Any) -> AsyncIterator[RedisBackend]:
+    """A backend on ``url``, closed on exit."""
+    backend = make_backend(url, staging_slots, **config)
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+def keys_of(n: int, seed: int = 0) -> list[ChunkKey]:
+    return make_keys(n, seed, namespace(chunk_size=CHUNK, layout=LAYOUT))
+
+
+async def put_keys(backend: RedisBackend, keys: Sequence[ChunkKey]) -> None:
+    """Put each key's ``chunk_data`` through a source arena whose references all go back."""
+    source = Arena(max(len(keys), 1) * CHUNK_BYTES, CHUNK_BYTES, name="source")
+    chunks = [make_chunk(source, k, LAYOUT) for k in keys]
+    try:
+        await backend.put_many(keys, chunks)
+    finally:
+        for c in chunks:
+            c.release()
+    assert source.used_count == 0
+
+
+def check_and_release(got: Sequence[MemoryObj | None], keys: Sequence[ChunkKey]) -> list[bool]:
+    """Which keys hit; every hit must equal its key's data exactly (then it is released)."""
+    hits = []
+    for obj, key in zip(got, keys, strict=True):
+        hits.append(obj is not None)
+        if obj is not None:
+            assert torch.equal(obj.tensor, chunk_data(key, LAYOUT)), f"wrong data for {key.hex[:12]}"
+            assert obj.ref_count == 1
+            obj.release()
+    return hits
+
+
+async def sampled_usage(backend: RedisBackend) -> tuple[int, int]:
+    """``backend.usage()`` once its background sample has come in (or (0, 0) after a second)."""
+    for _ in range(100):
+        if backend.usage() != (0, 0):
+            break
+        await asyncio.sleep(0.01)
+    return backend.usage()
+
+
+def sync_client(url: str, **kw: Any) -> redis_sync.Redis:
+    return redis_sync.Redis.from_url(url, socket_timeout=5, **kw)
+
+
+# --- tests ------------------------------------------------------------------------------
+def test_create_is_lazy_and_needs_a_url() -> None:
+    assert RedisBackend.create(make_ctx(None)) is None
+    backend = RedisBackend.create(make_ctx("redis://127.0.0.1:1"))  # nothing listens: no I/O yet
+    assert isinstance(backend, RedisBackend) and (backend.name, backend.rank) == ("redis", 30)
+    with pytest.raises(ValueError, match="redis_key_prefix"):
+        RedisBackend.create(make_ctx("redis://127.0.0.1:1", redis_key_prefix="{tag}"))
+
+
+def test_importing_the_backend_does_not_import_redis() -> None:
+    code = "import sys, kvlayer.backends.redis; print('redis' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_round_trip_is_exact(redis_server: RedisServer, compression: str) -> None:
+    keys = keys_of(5)
+
+    async def main() -> None:
+        async with opened(redis_server.url, compression=compression) as backend:
+            await put_keys(backend, keys)
+            got = await backend.get_many(keys)
+            assert check_and_release(got, keys) == [True] * 5
+            assert backend._staging.used_count == 0
+            stats = backend.stats()
+            assert (stats["hits"], stats["puts"], stats["checksum_errors"]) == (5, 5, 0)
+
+    run(main())
+
+
+def test_one_key_per_chunk_holding_header_and_payload(redis_server: RedisServer) -> None:
+    keys = keys_of(3)
+
+    async def main() -> RedisBackend:
+        async with opened(redis_server.url, redis_key_prefix="kvtest") as backend:
+            await put_keys(backend, keys)
+            return backend
+
+    backend = run(main())
+    client = sync_client(redis_server.url)
+    names = sorted(client.keys("*"))
+    assert names == sorted(f"kvtest:{k.hex}".encode() for k in keys)
+    for key in keys:
+        value = client.get(f"kvtest:{key.hex}")
+        assert value is not None and value.startswith(serde.MAGIC)
+        assert len(value) == serde.HEADER_SIZE + CHUNK_BYTES
+        header = serde.decode_header(value)
+        serde.check_header(header, key, LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype)
+    assert client.ttl(f"kvtest:{keys[0].hex}") == -1  # no TTL unless configured
+    assert sorted(backend.keys()) == sorted(k.digest for k in keys)
+
+
+def test_ttl_is_set_when_configured(redis_server: RedisServer) -> None:
+    keys = keys_of(2)
+
+    async def main() -> None:
+        async with opened(redis_server.url, redis_ttl_s=100) as backend:
+            await put_keys(backend, keys)
+
+    run(main())
+    client = sync_client(redis_server.url)
+    assert all(0 < client.ttl(f"kvlayer:{k.hex}") <= 100 for k in keys)
+
+
+def test_database_number_in_the_url(redis_server: RedisServer) -> None:
+    keys = keys_of(1)
+
+    async def main() -> None:
+        async with opened(redis_server.url + "/3") as backend:
+            await put_keys(backend, keys)
+
+    run(main())
+    assert sync_client(redis_server.url + "/3").exists(f"kvlayer:{keys[0].hex}") == 1
+    assert sync_client(redis_server.url + "/0").dbsize() == 0
+
+
+def test_contains_prefix_remove_and_listener(redis_server: RedisServer) -> None:
+    keys = keys_of(6)
+    events: list[tuple[str, int]] = []
+
+    class Listener:
+        def on_admit(self, tier: str, digests: Sequence[bytes]) -> None:
+            events.append(("admit", len(digests)))
+
+        def on_evict(self, tier: str, digests: Sequence[bytes]) -> None:
+            events.append(("evict", len(digests)))
+
+    async def main() -> None:
+        async with opened(redis_server.url) as backend:
+            backend.set_listener(Listener())
+            assert await backend.contains_prefix([]) == 0
+            assert await backend.contains_prefix(keys) == 0
+            await put_keys(backend, [keys[i] for i in (0, 1, 2, 4)])
+            assert await backend.contains_prefix(keys) == 3
+            await put_keys(backend, keys[:2])  # present already: a no-op
+            assert await backend.remove([keys[1], keys[5]]) == 1
+            assert await backend.contains_prefix(keys) == 1
+            assert await backend.pin(keys) == 0 and await backend.unpin(keys) == 0
+
+    run(main())
+    assert events == [("admit", 4), ("evict", 1)]
+
+
+def test_put_rejects_a_chunk_that_does_not_fit_its_key(redis_server: RedisServer) -> None:
+    key = keys_of(1)[0]
+
+    async def main() -> None:
+        async with opened(redis_server.url) as backend:
+            arena = Arena(CHUNK_BYTES, CHUNK_BYTES)
+            wrong = arena.allocate(LAYOUT.chunk_shape(CHUNK // 2), LAYOUT.dtype)
+            assert wrong is not None
+            with wrong, pytest.raises(ValueError, match="does not fit"):
+                await backend.put_many([key], [wrong])
+            with pytest.raises(ValueError, match="1 keys but 0 chunks"):
+                await backend.put_many([key], [])
+
+    run(main())
+    assert sync_client(redis_server.url).dbsize() == 0
+
+
+def test_a_full_staging_arena_makes_misses(redis_server: RedisServer) -> None:
+    keys = keys_of(4)
+
+    async def main() -> None:
+        async with opened(redis_server.url, staging_slots=2) as backend:
+            await put_keys(backend, keys)
+            got = await backend.get_many(keys)
+            assert check_and_release(got, keys) == [True, True, False, False]
+            assert backend.stats()["staging_full"] == 2
+            assert backend.stats()["checksum_errors"] == 0
+
+    run(main())
+    assert sync_client(redis_server.url).dbsize() == 4  # nothing deleted
+
+
+def test_usage_reports_the_servers_memory() -> None:
+    with RedisServer(["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]) as server:
+        async def main() -> tuple[int, int]:
+            async with opened(server.url) as backend:
+                assert backend.usage() == (0, 0)
+                await put_keys(backend, keys_of(2))
+                return await sampled_usage(backend)
+
+        used, capacity = run(main())
+    assert used > 0 and capacity == 64 * 1024**2
+
+
+def _child_reads(url: str, seed: str, n: str) -> None:
+    """In the child process: read ``n`` chunks of ``seed`` and print which hit exactly."""
+    keys = keys_of(int(n), int(seed))
+
+    async def main() -> list[bool]:
+        async with opened(url) as backend:
+            return check_and_release(await backend.get_many(keys), keys)
+
+    print(json.dumps(run(main())))
+
+
+def test_second_process_reads(redis_server: RedisServer) -> None:
+    keys = keys_of(4, seed=7)
+
+    async def main() -> None:
+        async with opened(redis_server.url) as backend:
+            await put_keys(backend, keys[:3])
+
+    run(main())
+    code = f"import sys; sys.path.insert(0, {ROOT!r}); from tests.backends.test_redis import _child_reads; " \
+           "_child_reads(*sys.argv[1:])"
+    out = subprocess.run([sys.executable, "-c", code, redis_server.url, "7", "4"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, True, False]
+
+
+def test_password_and_acl_user() -> None:
+    args = ["--requirepass", "s3cret", "--user", "alice", "on", ">wonder", "~kvlayer:*", "+@all"]
+    with RedisServer(args) as server:
+        base = f"127.0.0.1:{server.port}"
+        keys = keys_of(2)
+
+        async def main() -> None:
+            async with opened(f"redis://:s3cret@{base}") as backend:
+                await put_keys(backend, keys)
+            async with opened(f"redis://alice:wonder@{base}") as backend:
+                assert check_and_release(await backend.get_many(keys), keys) == [True, True]
+            for bad in (f"redis://:wrong@{base}", f"redis://alice:wrong@{base}", f"redis://{base}"):
+                async with opened(bad, tier_timeout_ms=1000) as backend:
+                    start = time.monotonic()
+                    with pytest.raises(Exception, match="(?i)auth|password|invalid"):
+                        await backend.get_many(keys)
+                    assert time.monotonic() - start < 1.0
+
+        run(main())
+
+
+def test_tls(tmp_path: Path) -> None:
+    tls = make_tls_files(tmp_path)
+    server = RedisServer(tls.server_args(), tls=True)
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.close()
+        pytest.skip(f"redis-server without TLS support: {e}")
+    keys = keys_of(3)
+    url = f"{server.url}?ssl_ca_certs={tls.ca_cert}"
+
+    async def main() -> None:
+        async with opened(url) as backend:
+            await put_keys(backend, keys)
+            assert check_and_release(await backend.get_many(keys), keys) == [True] * 3
+
+    try:
+        run(main())
+    finally:
+        server.close()
