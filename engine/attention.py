@@ -1,12 +1,16 @@
-"""Paged attention in plain torch: writing new keys/values into the paged cache and attending over it.
+"""Paged attention in torch (Triton decodes on CUDA): writing new keys/values into the paged cache and attending.
 
 Runs on any device. The step's flat batch is laid out as ``AttentionMetadata`` describes: the
 first ``num_decodes`` tokens are single-token decodes, batched into one gather and one attention
-call; each prefill span then runs one ``scaled_dot_product_attention`` call (over its own new
-keys when nothing of it is cached, else over its context gathered from the cache).
+call (on CUDA with triton installed, one kernel of ``triton_attention`` instead); each prefill
+span then runs one ``scaled_dot_product_attention`` call (over its own new keys when nothing of
+it is cached, else over its context gathered from the cache).
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +22,10 @@ def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store ``key``/``value`` ``[T, KVH, D]`` at slots ``slot_mapping`` ``[T]`` (int64) of one
-    layer's contiguous cache ``[2, num_blocks, block_size, KVH, D]``, in place."""
+    layer's contiguous cache ``[2, num_blocks, block_size, KVH, D]`` of the same dtype, in place."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def paged_attention(
@@ -35,15 +39,31 @@ def paged_attention(
     """Causal attention of ``query`` ``[T, H, D]`` for the step ``meta`` describes -> ``[T, H, D]``.
 
     ``key``/``value`` ``[T, KVH, D]`` are the step's new keys/values, already written into
-    ``kv_cache`` by ``write_kv``; ``H`` must be a multiple of ``KVH`` (grouped-query attention).
+    ``kv_cache`` (same dtype and device) by ``write_kv``; ``H`` must be a multiple of ``KVH``
+    (grouped-query attention).
     Tokens outside every decode and span are left uninitialised in the result.
     """
     out = torch.empty_like(query)
     if meta.num_decodes:
-        out[: meta.num_decodes] = _decode_attention(query[: meta.num_decodes], kv_cache, meta, scale)
+        decode = _triton_decode if query.is_cuda and _triton_installed() else _decode_attention
+        out[: meta.num_decodes] = decode(query[: meta.num_decodes], kv_cache, meta, scale)
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(query, key, value, kv_cache, span, scale)
     return out
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_decode(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """``_decode_attention`` by the Triton kernel (CUDA); imported here, where it is needed."""
+    from kvlayer.engine.triton_attention import decode_attention
+
+    return decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
 def _decode_attention(
