@@ -2,15 +2,22 @@
 
 Scheduler side: looks up each new request's chunks (keys cached per request) and tells the
 engine how many prompt tokens it can load; per step it lists the loads (tokens and blocks)
-and the saves (full chunks whose KV this step completes). Worker side: loads before the
-forward pass and saves after it, all through ``KVCacheEngine``. A failed load is reported
-through ``get_failed_loads`` and recomputed by the engine; nothing here raises into it.
+and the saves (full chunks whose KV this step completes). Worker side (``kvlayer.pipeline``):
+with ``layerwise`` (the default) ``start_load_kv`` starts reading the step's chunks from all
+tiers on a loader thread, which copies them into the cache layer by layer while the forward
+pass runs (``wait_for_layer_load(i)`` waits for layer i only), and ``save_kv_layer`` copies
+each layer of the new chunks out right after its attention; without it, everything is loaded
+before the forward pass and saved after it. ``wait_for_save`` waits for the copies only: the
+lower tiers are written in the background. A failed load is reported through
+``get_failed_loads`` and recomputed by the engine, and the chunks it left unsaved are saved
+after the recompute; nothing here raises into the engine.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +33,7 @@ from kvlayer.connectors.base import (
 )
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
+from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob
 from kvlayer.transfer import slot_mapping
 
 log = logging.getLogger(__name__)
@@ -33,10 +41,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load tokens ``[start, end)`` of ``token_ids`` into the request's blocks."""
+    """Load tokens ``[start, end)`` of the request (chunk ``keys`` from token 0) into its blocks."""
 
     request_id: str
-    token_ids: tuple[int, ...]
     keys: tuple[ChunkKey, ...]
     block_ids: tuple[int, ...]
     start: int
@@ -45,11 +52,10 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Store the chunks ``keys`` of ``token_ids`` (KV in the request's blocks; keys may skip
-    leading chunks already saved)."""
+    """Store the chunks ``keys`` of the request (KV in its blocks; keys may skip leading chunks
+    already saved)."""
 
     request_id: str
-    token_ids: tuple[int, ...]
     keys: tuple[ChunkKey, ...]
     block_ids: tuple[int, ...]
 
@@ -69,6 +75,20 @@ class _ReqState:
     load: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Streams:
+    """The CUDA streams loads and saves copy on (None off CUDA)."""
+
+    load: torch.cuda.Stream | None = None
+    store: torch.cuda.Stream | None = None
+
+    @staticmethod
+    def for_device(device: torch.device) -> _Streams:
+        if device.type != "cuda":
+            return _Streams()
+        return _Streams(torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+
 class KVLayerConnector(KVConnectorBase):
     """kvlayer as the bundled engine's connector. ``kv_config``: a KVLayerConfig, dict or YAML path."""
 
@@ -80,11 +100,20 @@ class KVLayerConnector(KVConnectorBase):
             model_fingerprint=ctx.model_fingerprint, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
         self.config = self.engine.config
         self.block_size = ctx.block_size
-        self.device = ctx.device
+        self.device = torch.device(ctx.device)
         self._reqs: dict[str, _ReqState] = {}
         self._caches: list[torch.Tensor] = []
-        self._meta: KVLayerMetadata | None = None
+        self._load: LoadJob | None = None
+        self._save: SaveJob | None = None
         self._failed: dict[str, int] = {}
+        self._rolled_back: dict[str, int] = {}  # worker -> scheduler: valid tokens after a failed load
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-load")
+        self._streams = _Streams.for_device(self.device)
+        self._agent: Any = None  # the controller link (issue 6), only with controller_url
+        if self.config.controller_url:
+            from kvlayer.controller.agent import start_agent
+
+            self._agent = start_agent(self.engine, self.config)
 
     # ----- scheduler side ---------------------------------------------------------------
     def _state(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None) -> _ReqState:
@@ -115,19 +144,21 @@ class KVLayerConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLayerMetadata:
         for rid in scheduler_output.finished_request_ids:
             self._reqs.pop(rid, None)
+        rolled_back, self._rolled_back = self._rolled_back, {}
+        for rid, valid in rolled_back.items():  # what a failed load left unsaved is saved again
+            if rid in self._reqs:
+                self._reqs[rid].saved_upto = min(self._reqs[rid].saved_upto, valid)
         loads, saves = [], []
         for s in scheduler_output.scheduled:
             st = self._state(s.request_id, s.token_ids, s.num_prompt_tokens, s.cache_salt)
             if st.load is not None:
                 start, end = st.load
                 st.load = None
-                loads.append(LoadSpec(s.request_id, tuple(s.token_ids[:end]), tuple(st.keys),
-                                      tuple(s.block_ids), start, end))
+                loads.append(LoadSpec(s.request_id, tuple(st.keys), tuple(s.block_ids), start, end))
             done = s.num_computed_tokens + s.num_scheduled_tokens
             due = [k for k in st.keys if st.saved_upto < k.end <= done]
             if due:
-                saves.append(SaveSpec(s.request_id, tuple(s.token_ids[: due[-1].end]), tuple(due),
-                                      tuple(s.block_ids)))
+                saves.append(SaveSpec(s.request_id, tuple(due), tuple(s.block_ids)))
                 st.saved_upto = due[-1].end
         return KVLayerMetadata(tuple(loads), tuple(saves))
 
@@ -137,36 +168,47 @@ class KVLayerConnector(KVConnectorBase):
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         assert isinstance(metadata, KVLayerMetadata)
-        self._meta = metadata
         self._failed = {}
-        for load in metadata.loads:
-            slots = slot_mapping(load.block_ids, self.block_size, 0, load.end, self.device)
-            try:
-                got = self.engine.retrieve(load.token_ids, self._caches, slots, start=load.start,
-                                           keys=load.keys)
-            except Exception:  # a bug below must cost a recompute, never the engine
-                log.exception("kvlayer: load of request %s failed", load.request_id)
-                got = load.start
-            if got < load.end:
-                self._failed[load.request_id] = got
+        self._load = self._save = None
+        try:
+            self._save = SaveJob(self.engine, [
+                SaveItem(s.request_id, s.keys, self._slots(s.block_ids, s.keys[-1].end)) for s in metadata.saves
+            ], self._streams.store)
+            items = [LoadItem(ld.request_id, ld.keys, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
+                     for ld in metadata.loads]
+            if items:
+                layerwise = self.config.layerwise
+                self._load = LoadJob(self.engine, self._caches, items, self._loader if layerwise else None,
+                                     self._streams.load if layerwise else None)
+        except Exception:  # a bug below must cost a recompute, never the engine
+            log.exception("kvlayer: preparing the step's transfers failed")
+            self._failed = {ld.request_id: ld.start for ld in metadata.loads}
 
     def wait_for_layer_load(self, layer: int) -> None:
-        pass
+        if self._load is not None:
+            self._load.wait_layer(layer)
 
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
-        pass
+        if self._save is not None and self.config.layerwise:
+            self._save.layer(layer, kv_cache)
 
     def wait_for_save(self) -> None:
-        meta, self._meta = self._meta, None
-        if meta is None:
+        load, save, self._load, self._save = self._load, self._save, None, None
+        if load is not None:
+            self._failed.update(load.failures())
+        self._rolled_back.update(self._failed)
+        if save is None:
             return
-        for save in meta.saves:
-            end = len(save.token_ids)
-            slots = slot_mapping(save.block_ids, self.block_size, 0, end, self.device)
-            try:
-                self.engine.store(save.token_ids, self._caches, slots, keys=save.keys)
-            except Exception:
-                log.exception("kvlayer: save of request %s failed", save.request_id)
+        try:
+            if not self.config.layerwise:
+                for layer, cache in enumerate(self._caches):
+                    save.layer(layer, cache)
+            save.finish(self._failed)
+        except Exception:
+            log.exception("kvlayer: saving the step's chunks failed")
+
+    def _slots(self, block_ids: Sequence[int], end: int) -> torch.Tensor:
+        return slot_mapping(block_ids, self.block_size, 0, end, self.device)
 
     def get_failed_loads(self) -> dict[str, int]:
         return dict(self._failed)
@@ -178,4 +220,7 @@ class KVLayerConnector(KVConnectorBase):
         return self.engine.stats()
 
     def close(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+        self._loader.shutdown(wait=True)
         self.engine.close()

@@ -167,6 +167,7 @@ class LLMEngine:
                 valid = min(failed[seq.request_id], seq.num_computed_tokens)
                 self.block_manager.uncommit_from(seq, valid)
                 seq.num_computed_tokens = valid
+                seq.num_external_tokens = max(0, min(seq.num_external_tokens, valid - seq.num_cached_tokens))
                 continue
             seq.num_computed_tokens += item.num_new
             self.block_manager.commit(seq)

@@ -20,12 +20,12 @@ from kvlayer.config import KVLayerConfig
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
 from kvlayer.layout import KVLayout
-from kvlayer.memory import Arena
+from kvlayer.memory import Arena, MemoryObj
 from kvlayer.metrics import Metrics
 from kvlayer.registry import build_backends
 from kvlayer.storage import BackendContext, StorageBackend
 from kvlayer.tier_manager import TierManager
-from kvlayer.transfer import gather, scatter
+from kvlayer.transfer import gather, scatter, wait_for_copies
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class KVCacheEngine:
         self.loop = IOLoop()
         self.metrics = Metrics(self.instance_id)
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
+        self.tiers.warm_up()
         self._closed = False
 
     # ----- keys -------------------------------------------------------------------------
@@ -88,23 +89,48 @@ class KVCacheEngine:
         keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
         if len(slot_mapping) < (keys[-1].end if keys else 0):
             raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens")
+        todo, objs = self.stage(keys)
+        try:
+            for key, obj in zip(todo, objs, strict=True):
+                gather(kv_caches, slot_mapping[key.start : key.end], obj.tensor)
+            wait_for_copies(slot_mapping.device)
+        except BaseException:
+            _release(objs)
+            raise
+        self.commit(todo, objs)
+        return len(todo)
+
+    def stage(self, keys: Sequence[ChunkKey]) -> tuple[list[ChunkKey], list[MemoryObj]]:
+        """Empty staging chunks for the ``keys`` kvlayer does not hold yet (those after the held
+        prefix, as many as staging memory allows): the keys and one chunk each, in order.
+
+        The caller owns one reference to each chunk: it fills them (``kvlayer.transfer.gather``
+        or, layer by layer, ``gather_layer``), then hands them to ``commit``, or releases them.
+        """
         have = self.tiers.lookup(keys, record=False).num_chunks
         todo, objs = [], []
+        for key in keys[have:]:
+            obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
+            if obj is None:
+                self.metrics.count("staging", "errors")
+                break
+            todo.append(key)
+            objs.append(obj)
+        return todo, objs
+
+    def commit(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+        """Store filled ``chunks`` under ``keys`` (the top memory tier now, the lower tiers in the
+        background) and release the caller's references, also when storing fails."""
         try:
-            for key in keys[have:]:
-                obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
-                if obj is None:
-                    self.metrics.count("staging", "errors")
-                    break
-                gather(kv_caches, slot_mapping[key.start : key.end], obj.tensor)
-                todo.append(key)
-                objs.append(obj)
-            if todo:
-                self.tiers.store(todo, objs)
+            if keys:
+                self.tiers.store(keys, chunks)
         finally:
-            for obj in objs:
-                obj.release()
-        return len(todo)
+            _release(chunks)
+
+    def fetch(self, requests: Sequence[Sequence[ChunkKey]]) -> list[list[MemoryObj]]:
+        """The chunks of the longest held prefix of each key list, read from all tiers at once
+        (``TierManager.retrieve_many``); the caller owns one reference to each and releases it."""
+        return self.tiers.retrieve_many(requests)
 
     def retrieve(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                  cache_salt: str | None = None, start: int = 0, keys: Sequence[ChunkKey] | None = None) -> int:
@@ -124,6 +150,7 @@ class KVCacheEngine:
                 lo = max(key.start, start)
                 scatter(obj.tensor[:, :, lo - key.start :], kv_caches, slot_mapping[lo : key.end])
                 end = key.end
+            wait_for_copies(slot_mapping.device)
         finally:
             for obj in chunks:
                 obj.release()
@@ -152,3 +179,22 @@ class KVCacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ----- admin operations (the controller agent, issue 6) -----------------------------
+    def snapshot(self) -> dict[str, list[bytes]]:
+        """Digests of the chunks each tier holds, by tier name (the controller's registry)."""
+        return self.tiers.snapshot()
+
+    def copy(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str | None = None) -> int:
+        """Copy the longest prefix of ``keys`` held in ``src_tier`` (None: any other tier) into
+        ``dst_tier``; returns how many leading keys ``dst_tier`` then holds (``TierManager.copy``)."""
+        return self.tiers.copy(keys, dst_tier, src_tier)
+
+    def evict_all(self, tier: str | None = None) -> int:
+        """Remove every unpinned chunk from ``tier`` (every tier if None); returns how many."""
+        return self.tiers.remove_all(tier)
+
+
+def _release(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.release()

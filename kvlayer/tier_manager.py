@@ -47,6 +47,8 @@ T = TypeVar("T")
 _KeysOp = Callable[[StorageBackend], Callable[[list[ChunkKey]], Awaitable[int]]]
 """Picks a backend's batched method that answers a count (pin, unpin, remove)."""
 _Plan = list[tuple[GuardedTier, list[ChunkKey], list[MemoryObj]]]
+_Found = tuple[list[MemoryObj], list[int]]
+"""A retrieved prefix: its chunks and, per chunk, the index of the tier it came from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +106,22 @@ class TierManager:
         Each returned object carries one reference owned by the caller, who releases it. The
         objects may live on different devices (the tier's own memory, or staging memory).
         """
-        keys = list(keys)
-        if not keys:
-            return []
-        discard: Callable[[tuple[list[MemoryObj], list[int]]], None] = lambda r: _release(r[0])
-        objs, sources = self._run(self._retrieve(keys), "retrieve", ([], []), discard)
-        self._promote(keys, objs, sources)
-        return objs
+        return self.retrieve_many([keys])[0]
+
+    def retrieve_many(self, requests: Sequence[Sequence[ChunkKey]]) -> list[list[MemoryObj]]:
+        """``retrieve`` for several key lists at once: every tier read runs concurrently.
+
+        May be called from any thread but the I/O loop's (e.g. a loader thread). Answers one
+        list per request, in order; ownership as in ``retrieve``.
+        """
+        lists = [list(keys) for keys in requests]
+        if not any(lists):
+            return [[] for _ in lists]
+        miss: list[_Found] = [([], []) for _ in lists]
+        found = self._run(self._retrieve_all(lists), "retrieve", miss, _release_found)
+        for keys, (objs, sources) in zip(lists, found):
+            self._promote(keys, objs, sources)
+        return [objs for objs, _ in found]
 
     def store(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store ``chunks[i]`` under ``keys[i]`` in every tier; returns once the top memory tier has them.
@@ -130,6 +141,12 @@ class TierManager:
         rest = [t for t in self._tiers if t is not top]
         if rest:
             self._background(self._write_through(rest, keys, chunks), chunks)
+
+    def warm_up(self) -> None:
+        """Let every tier do its start-up work (e.g. the NVMe index scan) in the background now."""
+        self._check_open()
+        if self._tiers:
+            self._background(self._warm_up(), [])
 
     def pin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
         """Pin the present ``keys`` in ``tier`` (every tier if None); returns how many were pinned."""
@@ -210,7 +227,15 @@ class TierManager:
                     counts[t] = max(0, min(int(answer), len(rest)))
         return counts
 
-    async def _retrieve(self, keys: list[ChunkKey]) -> tuple[list[MemoryObj], list[int]]:
+    async def _retrieve_all(self, lists: list[list[ChunkKey]]) -> list[_Found]:
+        answers = await asyncio.gather(*(self._retrieve(keys) for keys in lists), return_exceptions=True)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            _release_found([a for a in answers if not isinstance(a, BaseException)])
+            raise errors[0]
+        return answers  # type: ignore[return-value]
+
+    async def _retrieve(self, keys: list[ChunkKey]) -> _Found:
         """The found prefix and, per chunk, the index of the tier it came from."""
         found: list[MemoryObj | None] = [None] * len(keys)
         source = [-1] * len(keys)
@@ -265,6 +290,10 @@ class TierManager:
         calls = (t.call(what, pick(t.backend)(keys)) for t in tiers if t.usable())
         answers = await asyncio.gather(*calls, return_exceptions=True)
         return sum(int(a) for a in answers if not isinstance(a, BaseException))
+
+    async def _warm_up(self) -> None:
+        calls = (t.call("contains_prefix", t.backend.contains_prefix([])) for t in self._tiers)
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def _close_all(self) -> None:
         calls = (asyncio.wait_for(t.backend.close(), self._deadline) for t in self._tiers)
@@ -344,6 +373,94 @@ class TierManager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the TierManager is closed")
+
+    # --- admin operations (the controller agent, issue 6) -------------------------------
+    def snapshot(self, timeout: float = 30.0) -> dict[str, list[bytes]]:
+        """The digests each tier holds, by tier name; a tier whose listing fails or takes more
+        than ``timeout`` s answers [] (logged). Memory tiers are listed on the I/O loop; the
+        others' ``keys()`` may block (a Redis scan), so they run on a worker thread."""
+        self._check_open()
+        try:
+            return self._loop.run(self._snapshot(timeout), 2 * timeout)
+        except TimeoutError:
+            log.warning("kvlayer: listing the tiers' chunks did not finish within %.1f s", 2 * timeout)
+            return {}
+
+    def copy(self, keys: Sequence[ChunkKey], dst: str, src: str | None = None) -> int:
+        """Put the longest prefix of ``keys`` that tier ``src`` holds (None: that any other tier
+        holds, the upper one on a tie) into tier ``dst``, and wait until it is there.
+
+        Returns how many leading ``keys`` ``dst`` holds afterwards (a tier failure counts as
+        a miss). ``ValueError`` for an unknown tier, or ``src == dst``.
+        """
+        keys = list(keys)
+        target = self._select(dst)[0]
+        sources = self._select(src) if src is not None else [t for t in self._tiers if t is not target]
+        if target in sources:
+            raise ValueError(f"cannot copy tier {dst!r} into itself")
+        return self._run(self._copy(keys, sources, target), "copy", 0) if keys else 0
+
+    def remove_all(self, tier: str | None = None) -> int:
+        """Remove every unpinned chunk ``snapshot`` lists in ``tier`` (every tier if None);
+        returns how many were removed. Backends find chunks by digest alone (see
+        ``kvlayer.storage``), so each listed digest stands in for its full key."""
+        tiers = self._select(tier)
+        held = self.snapshot()
+        return sum(self.remove([ChunkKey(d, b"", 0, 0) for d in held.get(t.name, [])], t.name) for t in tiers)
+
+    async def _snapshot(self, timeout: float) -> dict[str, list[bytes]]:
+        async def listing(t: GuardedTier) -> list[bytes]:
+            if t.in_memory:
+                return list(t.backend.keys())
+            return list(await asyncio.wait_for(asyncio.to_thread(t.backend.keys), timeout))
+
+        answers = await asyncio.gather(*(listing(t) for t in self._tiers), return_exceptions=True)
+        out = {}
+        for t, answer in zip(self._tiers, answers):
+            if isinstance(answer, BaseException):
+                log.warning("kvlayer tier %s: listing its chunks failed: %r", t.name, answer)
+                answer = []
+            out[t.name] = answer
+        return out
+
+    async def _copy(self, keys: list[ChunkKey], sources: list[GuardedTier], target: GuardedTier) -> int:
+        objs = await self._read_prefix(keys, sources)
+        try:
+            if objs:
+                await self._put(target, keys[: len(objs)], objs, skip_present=True)
+        finally:
+            _release(objs)
+        try:
+            return int(await target.call("contains_prefix", target.backend.contains_prefix(keys)))
+        except TierFailure:
+            return 0
+
+    async def _read_prefix(self, keys: list[ChunkKey], sources: list[GuardedTier]) -> list[MemoryObj]:
+        """The chunks of the longest prefix one of ``sources`` holds (a reference each, the caller's)."""
+        best, n = None, 0
+        for t in sources:
+            if not t.usable():
+                continue
+            try:
+                count = await t.call("contains_prefix", t.backend.contains_prefix(keys))
+            except TierFailure:
+                continue
+            if count > n:
+                best, n = t, min(int(count), len(keys))
+        if best is None:
+            return []
+        try:
+            got = await best.call("get_many", _get_many(best.backend, keys[:n]))
+        except TierFailure:
+            return []
+        lead = got.index(None) if None in got else len(got)
+        _release([obj for obj in got[lead:] if obj is not None])
+        return [obj for obj in got[:lead] if obj is not None]
+
+
+def _release_found(found: Sequence[_Found]) -> None:
+    for objs, _ in found:
+        _release(objs)
 
 
 async def _get_many(backend: StorageBackend, keys: list[ChunkKey]) -> list[MemoryObj | None]:

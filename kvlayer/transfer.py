@@ -98,6 +98,13 @@ def scatter(chunk: torch.Tensor, caches: Sequence[torch.Tensor], slots: torch.Te
         scatter_layer(chunk[layer], cache, slots)
 
 
+def wait_for_copies(device: torch.device) -> None:
+    """Block until the copies queued on ``device``'s current stream are done (a no-op off CUDA):
+    call it before reading a host chunk ``gather`` filled or reusing one ``scatter`` read."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 _Gather = Callable[[torch.Tensor | Sequence[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
 

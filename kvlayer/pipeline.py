@@ -1,0 +1,206 @@
+"""Layer-by-layer transfers between kvlayer and a paged KV cache (ARCHITECTURE.md section 6).
+
+``LoadJob`` brings one step's matched prefixes into the cache. It reads every request's
+chunks from their tiers at once (``KVCacheEngine.fetch``), then copies them into the cache one
+layer at a time, all layers in order, and marks each layer ready; the forward pass calls
+``wait_layer(i)`` just before layer i's attention, so it computes layer i while layers after
+it are still being copied. Run on an executor thread (layerwise) or right away (baseline).
+
+``SaveJob`` takes one step's newly completed chunks out of the cache: staging chunks are
+allocated when the step starts, ``layer(i, cache)`` copies layer i into them right after that
+layer's attention, and ``finish`` hands them to the tiers (the lower tiers are written in the
+background), so the step waits only for the copies.
+
+On CUDA both jobs copy on their own streams and order themselves against the engine's stream
+with events (no device-wide synchronisation); on the CPU they use the torch copies. A job owns
+the references to the chunks it holds and releases them once its copies are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+import torch
+
+from kvlayer.cache_engine import KVCacheEngine
+from kvlayer.keys import ChunkKey
+from kvlayer.memory import MemoryObj
+from kvlayer.transfer import gather_layer, scatter_layer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadItem:
+    """Bring tokens ``[start, end)`` of one request into the cache.
+
+    ``keys``: the request's chunk keys from token 0 (at least those overlapping ``[start, end)``);
+    ``slots``: int64 on the caches' device, the cache slot of each token ``0..end-1``.
+    """
+
+    request_id: str
+    keys: tuple[ChunkKey, ...]
+    slots: torch.Tensor
+    start: int
+    end: int
+
+    def wanted(self) -> list[ChunkKey]:
+        """The chunks holding tokens of ``[start, end)``, in order."""
+        return [k for k in self.keys if k.end > self.start and k.start < self.end]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveItem:
+    """Store the chunks ``keys`` of one request; ``slots`` (int64, the caches' device) holds the
+    cache slot of each token ``0..keys[-1].end-1``."""
+
+    request_id: str
+    keys: tuple[ChunkKey, ...]
+    slots: torch.Tensor
+
+
+class LoadJob:
+    """One step's loads; see the module docstring.
+
+    ``executor`` None: everything is loaded before the constructor returns. ``stream``: the
+    CUDA stream to copy on (None off CUDA). Call ``wait_layer`` for each layer before using it
+    and ``failures`` once after the forward pass.
+    """
+
+    def __init__(self, engine: KVCacheEngine, caches: Sequence[torch.Tensor], items: Sequence[LoadItem],
+                 executor: Executor | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        self._engine = engine
+        self._caches = list(caches)
+        self._items = list(items)
+        self._stream = stream
+        self._valid = {item.request_id: item.start for item in self._items}
+        self._ready = [threading.Event() for _ in self._caches]
+        self._events = [torch.cuda.Event() for _ in self._caches] if stream is not None else []
+        self._start_event = _record(stream)
+        self._future: Future[None] | None = None
+        if executor is None:
+            self._run()
+        else:
+            self._future = executor.submit(self._run)
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` holds every chunk this job could load (or the job failed)."""
+        self._ready[layer].wait()
+        if self._events:
+            torch.cuda.current_stream(self._caches[layer].device).wait_event(self._events[layer])
+
+    def failures(self) -> dict[str, int]:
+        """Waits for the job; then, per request not fully loaded, how many leading tokens it has."""
+        if self._future is not None:
+            self._future.result()
+        return {it.request_id: self._valid[it.request_id] for it in self._items
+                if self._valid[it.request_id] < it.end}
+
+    # --- the job --------------------------------------------------------------------------
+    def _run(self) -> None:
+        held: list[list[MemoryObj]] = []
+        try:
+            wanted = [item.wanted() for item in self._items]
+            held = self._engine.fetch(wanted)
+            valid = {}
+            for item, keys, objs in zip(self._items, wanted, held, strict=True):
+                valid[item.request_id] = min(keys[len(objs) - 1].end, item.end) if objs else item.start
+            with _on(self._stream, self._start_event):
+                for layer, cache in enumerate(self._caches):
+                    for item, keys, objs in zip(self._items, wanted, held, strict=True):
+                        _scatter_layer(layer, cache, item, keys, objs)
+                    if self._events:
+                        self._events[layer].record(self._stream)
+                    self._ready[layer].set()
+            self._valid.update(valid)
+        except Exception:  # a bug below must cost a recompute, never the engine
+            log.exception("kvlayer: loading %d requests failed; they are recomputed", len(self._items))
+        finally:
+            for ready in self._ready:
+                ready.set()
+            if self._stream is not None:
+                self._stream.synchronize()  # the copies read the chunks released below
+            for objs in held:
+                _release(objs)
+
+
+class SaveJob:
+    """One step's saves; see the module docstring. Stages the chunks at construction; call
+    ``layer`` for every layer (in any order), then ``finish`` exactly once."""
+
+    def __init__(self, engine: KVCacheEngine, items: Sequence[SaveItem],
+                 stream: torch.cuda.Stream | None = None) -> None:
+        self._engine = engine
+        self._stream = stream
+        self._chunks: list[tuple[str, ChunkKey, MemoryObj, torch.Tensor]] = []
+        for item in items:
+            keys, objs = engine.stage(item.keys)
+            self._chunks += [(item.request_id, k, o, item.slots[k.start : k.end]) for k, o in zip(keys, objs)]
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def layer(self, layer: int, cache: torch.Tensor) -> None:
+        """Copy layer ``layer`` of every staged chunk out of that layer's ``cache``."""
+        if not self._chunks:
+            return
+        with _on(self._stream, _record(self._stream)):
+            for _, _, obj, slots in self._chunks:
+                gather_layer(cache, slots, obj.tensor[layer])
+
+    def finish(self, failed: dict[str, int] | None = None) -> None:
+        """Wait for the copies, then store the chunks, except those of a request in ``failed``
+        ending after its valid tokens (their KV was never loaded); releases every chunk."""
+        failed = failed or {}
+        chunks, self._chunks = self._chunks, []
+        try:
+            if self._stream is not None:
+                self._stream.synchronize()
+        except BaseException:
+            _release([obj for _, _, obj, _ in chunks])
+            raise
+        by_request: dict[str, tuple[list[ChunkKey], list[MemoryObj]]] = {}
+        for rid, key, obj, _ in chunks:
+            if key.end > failed.get(rid, key.end):
+                obj.release()
+                continue
+            keys, objs = by_request.setdefault(rid, ([], []))
+            keys.append(key)
+            objs.append(obj)
+        for keys, objs in by_request.values():
+            self._engine.commit(keys, objs)
+
+
+def _scatter_layer(layer: int, cache: torch.Tensor, item: LoadItem, keys: list[ChunkKey],
+                   objs: list[MemoryObj]) -> None:
+    for key, obj in zip(keys, objs):
+        lo, hi = max(key.start, item.start), min(key.end, item.end)
+        scatter_layer(obj.tensor[layer, :, lo - key.start : hi - key.start], cache, item.slots[lo:hi])
+
+
+def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event on the current stream (what the engine queued so far), on CUDA only."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(stream.device))
+    return event
+
+
+def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> contextlib.AbstractContextManager[object]:
+    """Run the block's copies on ``stream``, after ``after``; off CUDA, where they are."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if after is not None:
+        stream.wait_event(after)
+    return torch.cuda.stream(stream)
+
+
+def _release(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.release()
