@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvlayer.config import KVLayerConfig
+from kvlayer.exporter import expose, withdraw
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
 from kvlayer.layout import KVLayout
@@ -60,6 +61,8 @@ class KVCacheEngine:
         self.metrics = Metrics(self.instance_id)
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
         self.tiers.warm_up()
+        self._exposed = bool(self.config.metrics_port) and expose(
+            self.metrics, self.config.metrics_host, self.config.metrics_port)
         self._closed = False
 
     # ----- keys -------------------------------------------------------------------------
@@ -169,6 +172,8 @@ class KVCacheEngine:
         if self._closed:
             return
         self._closed = True
+        if self._exposed:
+            withdraw(self.metrics, self.config.metrics_host, self.config.metrics_port)
         try:
             self.tiers.close()
         finally:

@@ -52,6 +52,8 @@ class KVLayerConfig:
     controller_token: str | None = None
     instance_id: str | None = None
     cache_salt: str = ""
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -67,6 +69,8 @@ class KVLayerConfig:
             raise ConfigError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
         if self.unhealthy_after <= 0:
             raise ConfigError(f"unhealthy_after must be positive, got {self.unhealthy_after}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kvlayer import KVCacheEngine, KVLayout
+from kvlayer import ConfigError, KVCacheEngine, KVLayout
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
 NUM_BLOCKS = 64
@@ -91,3 +91,23 @@ def test_stats_and_close_are_idempotent():
     eng.close()
     eng.close()
     assert eng.staging.used_count == 0
+
+
+def test_metrics_port_serves_prometheus_text(tmp_path):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {"chunk_size": 8, "cpu_capacity": "1MiB", "metrics_port": port, "instance_id": "exp-a"}
+    with KVCacheEngine(cfg, LAYOUT, model_name="m") as eng, \
+            KVCacheEngine({**cfg, "instance_id": "exp-b"}, LAYOUT, model_name="m"):
+        tokens = list(range(16))
+        eng.store(tokens, caches(), slots_for(16, 9))
+        eng.retrieve(tokens, caches(fill=False), slots_for(16, 10))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'kvlayer_hit_tokens_total{instance="exp-a",tier="cpu"} 16.0' in text
+    assert 'instance="exp-b"' in text, "two engines share one port"
+    with pytest.raises(ConfigError, match="metrics_port"):
+        KVCacheEngine({"metrics_port": 70000}, LAYOUT)
