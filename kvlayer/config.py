@@ -135,7 +135,7 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-_NOT_CONFIG = {"KVLAYER_ADMIN_TOKEN", "KVLAYER_HOME", "KVLAYER_LOG_LEVEL"}
+_NOT_CONFIG = {"KVLAYER_ADMIN_TOKEN", "KVLAYER_HOME", "KVLAYER_LOG_LEVEL", "KVLAYER_SMOKE"}
 _SIZE_KEYS = {"gpu_capacity", "cpu_capacity", "nvme_capacity", "staging_capacity"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
