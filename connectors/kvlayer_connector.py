@@ -109,11 +109,17 @@ class KVLayerConnector(KVConnectorBase):
         self._rolled_back: dict[str, int] = {}  # worker -> scheduler: valid tokens after a failed load
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-load")
         self._streams = _Streams.for_device(self.device)
-        self._agent: Any = None  # the controller link (issue 6), only with controller_url
+        self._agent: Any = None  # the controller link, only with controller_url
         if self.config.controller_url:
             from kvlayer.controller.agent import start_agent
 
-            self._agent = start_agent(self.engine, self.config)
+            self._agent = start_agent(self.engine, self.config, address=self.config.instance_address)
+
+    @property
+    def agent(self) -> Any:
+        """The controller agent (``kvlayer.controller.agent.ControllerAgent``), or None without
+        ``controller_url`` or when it could not start."""
+        return self._agent
 
     # ----- scheduler side ---------------------------------------------------------------
     def _state(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None) -> _ReqState:

@@ -29,6 +29,15 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from kvlayer.config import KVLayerConfig
+
+    print(yaml.safe_dump(KVLayerConfig.load(args.file).to_dict(), sort_keys=False), end="")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -59,9 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kv-config", help="kvlayer YAML config (default: CPU + disk tiers under --home)")
     demo.set_defaults(func=_demo)
 
+    config = sub.add_parser("config", help="print the kvlayer configuration in effect (file + KVLAYER_* variables)")
+    config.add_argument("--file", help="a kvlayer YAML config (default: the defaults)")
+    config.add_argument("--show", action="store_true", help="print it (the default action)")
+    config.set_defaults(func=_config)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     _add_bench(bench, "engine", "engine_bench", "prefill and decode throughput vs transformers", home)
     _add_bench(bench, "ttft", "ttft", "time to first token: recompute vs each kvlayer tier", home)
+    _add_bench(bench, "tiers", "tiers", "get/put throughput of each tier vs its raw ceiling", home)
+    __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
     return p
 
 

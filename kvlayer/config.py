@@ -50,6 +50,7 @@ class KVLayerConfig:
     unhealthy_after: int = 3
     controller_url: str | None = None
     controller_token: str | None = None
+    instance_address: str = ""
     instance_id: str | None = None
     cache_salt: str = ""
     metrics_port: int = 0

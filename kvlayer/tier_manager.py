@@ -375,13 +375,18 @@ class TierManager:
             raise RuntimeError("the TierManager is closed")
 
     # --- admin operations (the controller agent, issue 6) -------------------------------
-    def snapshot(self, timeout: float = 30.0) -> dict[str, list[bytes]]:
-        """The digests each tier holds, by tier name; a tier whose listing fails or takes more
-        than ``timeout`` s answers [] (logged). Memory tiers are listed on the I/O loop; the
-        others' ``keys()`` may block (a Redis scan), so they run on a worker thread."""
+    REMOVE_BATCH = 1024
+    """Chunks ``remove_all`` removes per backend call (each call has one tier deadline)."""
+
+    def snapshot(self, timeout: float = 30.0, tier: str | None = None) -> dict[str, list[bytes]]:
+        """The digests each tier (``tier`` only, if given) holds, by tier name; a tier whose
+        listing fails or takes more than ``timeout`` s answers [] (logged). Memory tiers are
+        listed on the I/O loop; the others' ``keys()`` may block (a Redis scan), so they run on
+        a worker thread. ``ValueError`` for an unknown tier."""
         self._check_open()
+        tiers = self._select(tier)
         try:
-            return self._loop.run(self._snapshot(timeout), 2 * timeout)
+            return self._loop.run(self._snapshot(tiers, timeout), 2 * timeout)
         except TimeoutError:
             log.warning("kvlayer: listing the tiers' chunks did not finish within %.1f s", 2 * timeout)
             return {}
@@ -402,21 +407,24 @@ class TierManager:
 
     def remove_all(self, tier: str | None = None) -> int:
         """Remove every unpinned chunk ``snapshot`` lists in ``tier`` (every tier if None);
-        returns how many were removed. Backends find chunks by digest alone (see
-        ``kvlayer.storage``), so each listed digest stands in for its full key."""
-        tiers = self._select(tier)
-        held = self.snapshot()
-        return sum(self.remove([ChunkKey(d, b"", 0, 0) for d in held.get(t.name, [])], t.name) for t in tiers)
+        returns how many were removed. A shared tier (Redis) loses the chunks of every instance
+        using it. Backends find chunks by digest alone (see ``kvlayer.storage``), so each listed
+        digest stands in for its full key. ``ValueError`` for an unknown tier."""
+        removed = 0
+        for name, digests in self.snapshot(tier=tier).items():
+            for i in range(0, len(digests), self.REMOVE_BATCH):
+                removed += self.remove([ChunkKey(d, b"", 0, 0) for d in digests[i : i + self.REMOVE_BATCH]], name)
+        return removed
 
-    async def _snapshot(self, timeout: float) -> dict[str, list[bytes]]:
+    async def _snapshot(self, tiers: list[GuardedTier], timeout: float) -> dict[str, list[bytes]]:
         async def listing(t: GuardedTier) -> list[bytes]:
             if t.in_memory:
                 return list(t.backend.keys())
             return list(await asyncio.wait_for(asyncio.to_thread(t.backend.keys), timeout))
 
-        answers = await asyncio.gather(*(listing(t) for t in self._tiers), return_exceptions=True)
+        answers = await asyncio.gather(*(listing(t) for t in tiers), return_exceptions=True)
         out = {}
-        for t, answer in zip(self._tiers, answers):
+        for t, answer in zip(tiers, answers):
             if isinstance(answer, BaseException):
                 log.warning("kvlayer tier %s: listing its chunks failed: %r", t.name, answer)
                 answer = []

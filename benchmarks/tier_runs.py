@@ -1,0 +1,152 @@
+"""Timed puts and gets through one storage tier, for ``kvlayer bench tiers``.
+
+``Batch.random`` makes ``count`` chunks of random float32 KV with their keys;
+``measure_tier`` builds the tier from a ``KVLayerConfig``, then per run removes the batch,
+puts it (timed) and gets it back (timed; for nvme also cold, after dropping the page cache);
+an untimed first run warms up and checks the chunks come back exact. Figures are GiB/s of raw KV bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlayer.benchmarks.tier_ceilings import GIB, drop_page_cache
+from kvlayer.config import KVLayerConfig
+from kvlayer.keys import ChunkKey, Namespace, chunk_keys
+from kvlayer.layout import KVLayout
+from kvlayer.memory import Arena, MemoryObj
+from kvlayer.storage import BackendContext, StorageBackend
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """``count`` chunks of ``tokens`` tokens (one reference each, owned by the batch) and their keys."""
+
+    layout: KVLayout
+    tokens: int
+    keys: list[ChunkKey]
+    chunks: list[MemoryObj]
+
+    @classmethod
+    def random(cls, layout: KVLayout, tokens: int, count: int, seed: int = 0) -> Batch:
+        gen = torch.Generator().manual_seed(seed)
+        chunk_bytes = layout.chunk_bytes(tokens)
+        arena = Arena(count * chunk_bytes, chunk_bytes, "cpu", name="bench chunks")
+        ids = torch.randint(3, 30_000, (count * tokens,), generator=gen).tolist()
+        keys = chunk_keys(Namespace("bench-tiers", f"seed-{seed}", layout, tokens), ids)
+        chunks = []
+        for _ in keys:
+            obj = arena.allocate(layout.chunk_shape(tokens), layout.dtype)
+            assert obj is not None
+            obj.tensor.copy_(torch.randn(obj.shape, generator=gen))
+            chunks.append(obj)
+        return cls(layout, tokens, keys, chunks)
+
+    @property
+    def count(self) -> int:
+        return len(self.keys)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.layout.chunk_bytes(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.chunk_bytes
+
+    def close(self) -> None:
+        """Release the chunks (the batch is unusable afterwards)."""
+        for c in self.chunks:
+            c.release()
+        self.chunks.clear()
+
+
+async def measure_tier(tier: str, config: KVLayerConfig, batch: Batch, repeat: int) -> dict[str, float | None]:
+    """``put_gib_s`` and ``get_gib_s`` of ``tier`` built from ``config`` (nvme: also ``get_cold_gib_s``,
+    None where the page cache cannot be dropped). RuntimeError if the tier misses or alters a chunk."""
+    backend = _build(tier, config, batch)
+    dest = torch.empty((batch.count, *batch.layout.chunk_shape(batch.tokens)), dtype=batch.layout.dtype)
+    # The CPU tier answers with its own slots: the copy out of them is part of getting the bytes.
+    consume = (lambda objs: [dest[i].copy_(o.tensor) for i, o in enumerate(objs)]) if tier == "cpu" else None
+    cold = _dropper(Path(config.nvme_path)) if tier == "nvme" else None
+    put = get = get_cold = float("inf")
+    try:
+        for run in range(repeat + 1):  # run 0 warms up (memory touched, connections made), untimed
+            await backend.remove(batch.keys)
+            start = time.perf_counter()
+            await backend.put_many(batch.keys, batch.chunks)
+            put = min(put, time.perf_counter() - start) if run else put
+            took = await _timed_get(backend, batch, consume, check=run == 0)
+            get = min(get, took) if run else get
+            if cold is not None and cold():
+                took = await _timed_get(backend, batch, consume, check=False)
+                get_cold = min(get_cold, took) if run else get_cold
+    finally:
+        await backend.close()
+    gib = batch.nbytes / GIB
+    out: dict[str, float | None] = {"put_gib_s": gib / put, "get_gib_s": gib / get}
+    if tier == "nvme":
+        out["get_cold_gib_s"] = gib / get_cold if get_cold < float("inf") else None
+    return out
+
+
+def redis_memory_ratio(config: KVLayerConfig, batch: Batch) -> float:
+    """Redis memory (``MEMORY USAGE``, value and key overheads) per byte of KV, over the batch's
+    keys under ``config``'s prefix (still stored by ``measure_tier``'s last run); then deletes them."""
+    import redis
+
+    client = redis.Redis.from_url(config.redis_url, socket_timeout=60)
+    names = [f"{config.redis_key_prefix}:{k.hex}" for k in batch.keys]
+    try:
+        used = [client.memory_usage(n, samples=0) for n in names]
+        if any(u is None for u in used):
+            raise RuntimeError("a chunk the tier stored is missing from Redis")
+        return sum(used) / batch.nbytes
+    finally:
+        client.delete(*names)
+        client.close()
+
+
+def _build(tier: str, config: KVLayerConfig, batch: Batch) -> StorageBackend:
+    from kvlayer.backends.cpu import CpuBackend
+    from kvlayer.backends.nvme import NvmeBackend
+    from kvlayer.backends.redis import RedisBackend
+
+    classes: dict[str, type[StorageBackend]] = {"cpu": CpuBackend, "nvme": NvmeBackend, "redis": RedisBackend}
+    staging = Arena(config.staging_capacity, batch.chunk_bytes, "cpu", name="bench staging")
+    backend = classes[tier].create(BackendContext(config, batch.layout, torch.device("cpu"), staging))
+    if backend is None:
+        raise ValueError(f"the configuration does not enable the {tier} tier")
+    return backend
+
+
+async def _timed_get(backend: StorageBackend, batch: Batch, consume: Callable[[Sequence[MemoryObj]], Any] | None,
+                     check: bool) -> float:
+    """Seconds to get the whole batch (and ``consume`` it); every chunk must come back."""
+    start = time.perf_counter()
+    got = await backend.get_many(batch.keys)
+    try:
+        if any(obj is None for obj in got):
+            raise RuntimeError(f"the {backend.name} tier missed {got.count(None)} of {batch.count} chunks")
+        objs = [obj for obj in got if obj is not None]
+        if consume is not None:
+            consume(objs)
+        elapsed = time.perf_counter() - start
+        if check and not all(torch.equal(o.tensor, c.tensor) for o, c in zip(objs, batch.chunks)):
+            raise RuntimeError(f"the {backend.name} tier returned altered chunks")
+        return elapsed
+    finally:
+        for obj in got:
+            if obj is not None:
+                obj.release()
+
+
+def _dropper(root: Path) -> Callable[[], bool]:
+    """Drops the page cache of every chunk file under ``root``; False where unsupported."""
+    return lambda: drop_page_cache([str(p) for p in root.rglob("*.kvc")])

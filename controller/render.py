@@ -1,0 +1,90 @@
+"""How ``kvlayer admin`` shows the controller's answers: rich tables, or plain data for ``--json``.
+
+One renderer per answer type, found by the message's type (no dispatch on strings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from rich.console import Console
+from rich.table import Table
+
+from kvlayer.controller import controller_pb2 as pb
+
+_STATE = {pb.INSTANCE_STATE_SYNCING: "syncing", pb.INSTANCE_STATE_UP: "up", pb.INSTANCE_STATE_DOWN: "down"}
+
+
+def to_dict(answer: Message) -> dict[str, Any]:
+    """The answer as plain data (field names as in the .proto, every field present, int64 as numbers)."""
+    return json_format.MessageToDict(answer, always_print_fields_with_no_presence=True,
+                                     preserving_proto_field_name=True, unquote_int64_if_possible=True)
+
+
+def all_ok(answer: Message) -> bool:
+    """False when a command's answer reports a failed instance."""
+    return all(r.ok for r in answer.results) if isinstance(answer, pb.CommandResponse) else True
+
+
+def print_answer(answer: Message, console: Console | None = None) -> None:
+    """Print ``answer`` (an admin RPC's response) as a table."""
+    console = console or Console(width=160)
+    console.print(_RENDERERS[type(answer)](answer))
+
+
+def _instances(answer: pb.ListInstancesResponse) -> Table:
+    t = Table("instance", "state", "model", "tiers", "chunks", "last seen", "address", title="instances")
+    for i in answer.instances:
+        tiers = ", ".join(f"{x.name}{' (shared)' if x.shared_id else ''}" for x in i.tiers)
+        t.add_row(i.instance_id, _STATE.get(i.state, "?"), i.namespace.model_name, tiers, str(i.chunks),
+                  f"{i.last_seen_s:.1f} s ago", i.address or "-")
+    return t
+
+
+def _stats(answer: pb.StatsResponse) -> Table:
+    """Per instance and tier; "hit chunks/lookup" is the tier's hit rate: chunks it answered per lookup."""
+    t = Table("instance", "state", "tier", "chunks", "used", "capacity", "lookups", "hit chunks/lookup",
+              "hit tokens", "evictions", "errors", "healthy", title="stats")
+    for s in answer.instances:
+        state = _STATE.get(s.info.state, "?")
+        for x in s.tiers:
+            rate = f"{x.lookup_hit_chunks / x.lookups:.2f}" if x.lookups else "-"
+            t.add_row(s.info.instance_id, state, x.tier, str(x.chunks), _bytes(x.used_bytes), _bytes(x.capacity_bytes),
+                      str(x.lookups), rate, str(x.hit_tokens), str(x.evictions), str(x.errors + x.timeouts),
+                      "yes" if x.healthy else "NO")
+        if not s.tiers:
+            t.add_row(s.info.instance_id, state, "-", *[""] * 9)
+    return t
+
+
+def _lookup(answer: pb.LookupResponse) -> Table:
+    t = Table("rank", "instance", "cached tokens", "per tier", "address",
+              title=f"lookup of {answer.num_tokens} tokens (best first)")
+    for rank, m in enumerate(answer.matches, 1):
+        per_tier = ", ".join(f"{x.tier} {x.prefix_tokens}" for x in m.tiers)
+        t.add_row(str(rank), m.instance_id, f"{m.cached_tokens}/{answer.num_tokens}", per_tier, m.address or "-")
+    return t
+
+
+def _command(answer: pb.CommandResponse) -> Table:
+    t = Table("instance", "ok", "chunks", "tokens", "error", title="result")
+    for r in answer.results:
+        t.add_row(r.instance_id, "yes" if r.ok else "NO", str(r.chunks), str(r.tokens), r.error or "")
+    return t
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+_RENDERERS: dict[type, Callable[[Any], Table]] = {
+    pb.ListInstancesResponse: _instances, pb.StatsResponse: _stats, pb.LookupResponse: _lookup,
+    pb.CommandResponse: _command,
+}
