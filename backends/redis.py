@@ -19,11 +19,14 @@ connection errors and timeouts raise, and the next call reconnects by itself. In
 a batch is split into one pipeline per node: a node that fails makes its own keys misses
 (``node_errors``) while the others answer; the call raises only if every node it needed failed.
 
-Throughput: redis-py's asyncio connections already pack commands in Python, keeping a large
-value as its own piece, but Python 3.11's ``StreamWriter.writelines`` joins every piece into
-one new buffer and its transport copies that twice more (0.3 GiB/s for 6 MiB values here).
-``_PiecewiseWrites`` writes the pieces one by one instead (2-3 GiB/s). Redis Cluster clients
-take no connection class, so cluster writes keep the slow path.
+Throughput: a value is never copied whole on the way out or in. ``_PiecewiseWrites`` packs a
+value as its two pieces (the header, then the payload: a view of the chunk's tensor or its lz4
+frame) and writes the pieces one by one: Python 3.11's ``StreamWriter.writelines`` would join
+every piece into one new buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB
+values here, 2-3 GiB/s piecewise). ``GET`` replies are read by ``redis_reads.read_reply``,
+which checks the header and hashes and copies the payload straight from the stream into the
+staging tensor, skipping redis-py's reply parser and its copies. Redis Cluster clients take no
+connection class, so in cluster mode values are joined once and replies go through redis-py.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlayer import serde
+from kvlayer.backends.redis_reads import Expected, Reply, decode_value, read_reply
 from kvlayer.keys import KEY_BYTES, ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
@@ -134,16 +138,13 @@ class RedisBackend(StorageBackend):
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         if not keys:
             return []
+        wants = [Expected(k, self._layout.chunk_shape(k.num_tokens), self._layout.dtype, self._staging)
+                 for k in keys]
         async with self._deadline():
-            values = await self._run([("GET", self.redis_key(k)) for k in keys])
-        # No await from here on: the objects allocated below cannot leak to a cancellation.
-        out: list[MemoryObj | None] = []
-        bad: list[bytes] = []
-        for key, value in zip(keys, values):
-            obj, corrupt = self._decode(key, value)
-            out.append(obj)
-            if corrupt:
-                bad.append(self.redis_key(key))
+            replies = await (self._get_cluster(wants) if self.settings.cluster else self._get(wants))
+        # No await from here on: the objects in the replies cannot leak to a cancellation.
+        out = [self._counted(key, reply) for key, reply in zip(keys, replies)]
+        bad = [self.redis_key(k) for k, r in zip(keys, replies) if r.error is not None]
         if bad:
             self._spawn(self._delete(bad))
         self._maybe_sample_usage()
@@ -161,12 +162,14 @@ class RedisBackend(StorageBackend):
             return
         values = [self._encode(k, c) for k, c in zip(keys, chunks)]
         expiry = ("EX", self.settings.ttl_s) if self.settings.ttl_s else ()
-        commands = [("SET", self.redis_key(k), v, "NX", *expiry) for k, v in zip(keys, values)]
+        # Cluster connections cannot send a value in pieces: there, each value is joined once.
+        commands = [("SET", self.redis_key(k), v.joined() if self.settings.cluster else v, "NX", *expiry)
+                    for k, v in zip(keys, values)]
         async with self._deadline():
             replies = await self._run(commands)
         new = [i for i, r in enumerate(replies) if r is True]
         self._stats["puts"] += len(new)
-        self._stats["bytes_written"] += sum(len(values[i]) for i in new)
+        self._stats["bytes_written"] += sum(values[i].nbytes for i in new)
         self._admitted([keys[i].digest for i in new])
         self._maybe_sample_usage()
         _raise_server_error(replies)
@@ -206,54 +209,30 @@ class RedisBackend(StorageBackend):
             await client.aclose()
 
     # --- encoding and decoding --------------------------------------------------------
-    def _encode(self, key: ChunkKey, chunk: MemoryObj) -> bytes:
-        """Header and payload as one value, joined once (the payload view itself is not copied)."""
+    def _encode(self, key: ChunkKey, chunk: MemoryObj) -> _Value:
+        """Header and payload as one value in two pieces; the payload is a view of the chunk (or its lz4 frame)."""
         shape = self._layout.chunk_shape(key.num_tokens)
         if tuple(chunk.shape) != shape or chunk.dtype != self._layout.dtype:
             raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
                              f"{key.hex[:16]} (expected {shape} {self._layout.dtype})")
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
-        header, payload = serde.encode_chunk(key, tensor, self.settings.compression)
-        return b"".join((header, payload))
+        return _Value(serde.encode_chunk(key, tensor, self.settings.compression))
 
-    def _decode(self, key: ChunkKey, value: Any) -> tuple[MemoryObj | None, bool]:
-        """``(chunk, corrupt)``: the chunk in ``value`` as a new staging object, or None (a miss,
-        counted); ``corrupt`` when ``value`` is stored but is not this key's chunk."""
-        if not _is_stored(value):
-            self._stats["misses"] += 1
-            return None, False
-        try:
-            obj = self._verified_copy(key, value)
-        except serde.ChunkFormatError as e:
+    def _counted(self, key: ChunkKey, reply: Reply) -> MemoryObj | None:
+        """``reply``'s chunk, or None (a miss), counted; a corrupt value is logged once."""
+        if reply.obj is not None:
+            self._stats["hits"] += 1
+            self._stats["bytes_read"] += reply.nbytes
+            return reply.obj
+        self._stats["misses"] += 1
+        if reply.error is not None:
             self._stats["checksum_errors"] += 1
-            self._stats["misses"] += 1
             self._log_once("corrupt", "redis: invalid chunk under %s (%s); deleting it",
-                           self.redis_key(key).decode(), e)
-            return None, True
-        if obj is None:
+                           self.redis_key(key).decode(), reply.error)
+        elif reply.stored:
             self._stats["staging_full"] += 1
-            self._stats["misses"] += 1
             self._log_once("staging", "redis: the staging arena is full; reads become misses")
-            return None, False
-        self._stats["hits"] += 1
-        self._stats["bytes_read"] += len(value)
-        return obj, False
-
-    def _verified_copy(self, key: ChunkKey, value: Any) -> MemoryObj | None:
-        if not isinstance(value, bytes):
-            raise serde.ChunkFormatError(f"not a string value: {value!r:.80}")
-        view = memoryview(value)
-        header = serde.decode_header(view)
-        serde.check_header(header, key, self._layout.chunk_shape(key.num_tokens), self._layout.dtype)
-        obj = self._staging.allocate(header.shape, header.dtype)
-        if obj is None:
-            return None
-        try:
-            serde.decode_payload(header, view[serde.HEADER_SIZE:], obj.tensor)
-        except BaseException:
-            obj.release()
-            raise
-        return obj
+        return None
 
     def _digest_of(self, name: bytes) -> bytes | None:
         if not name.startswith(self._prefix):
@@ -276,6 +255,38 @@ class RedisBackend(StorageBackend):
             self._client = _make_client(self.settings)
             self._loop = loop
         return self._client
+
+    async def _get(self, wants: list[Expected]) -> list[Reply]:
+        """One pipeline of ``GET``s whose replies ``read_reply`` reads straight into staging, on a
+        pooled connection; one retry on a fresh connection, as redis-py's own calls do."""
+        pool = self._connection().connection_pool
+        conn = await pool.get_connection()
+        try:
+            return await conn.retry.call_with_retry(lambda: self._get_on(conn, wants), lambda _: conn.disconnect())
+        finally:
+            await pool.release(conn)
+
+    async def _get_on(self, conn: Any, wants: list[Expected]) -> list[Reply]:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        await conn.send_packed_command(conn.pack_commands([("GET", self.redis_key(w.key)) for w in wants]))
+        replies: list[Reply] = []
+        try:
+            for want in wants:
+                replies.append(await read_reply(conn._reader, want))
+        except BaseException as e:
+            for r in replies:
+                if r.obj is not None:
+                    r.obj.release()
+            await conn.disconnect(nowait=True)  # the stream is mid-reply: the connection is unusable
+            if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+                raise RedisConnectionError(f"reading GET replies: {e!r}") from e
+            raise
+        return replies
+
+    async def _get_cluster(self, wants: list[Expected]) -> list[Reply]:
+        values = await self._run([("GET", self.redis_key(w.key)) for w in wants])
+        return [decode_value(v if _is_stored(v) else None, w) for v, w in zip(values, wants)]
 
     async def _run(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Each command's reply, or the exception it failed with; ``commands[i][1]`` is its key."""
@@ -377,8 +388,24 @@ async def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
 
 
 # --- clients ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Value:
+    """One Redis string value given as consecutive pieces (header, payload), never joined by
+    ``_PiecewiseWrites``: joining would copy each multi-MiB payload into fresh memory."""
+
+    pieces: tuple[bytes | memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    def joined(self) -> bytes:
+        return b"".join(self.pieces)
+
+
 class _PiecewiseWrites:
-    """Mixin for redis-py asyncio connections: send a packed command piece by piece.
+    """Mixin for redis-py asyncio connections: pack a ``_Value`` argument as one bulk string of
+    several pieces, and send a packed command piece by piece.
 
     Each large piece (a value) is written alone, as a memoryview, and drained before the next,
     so the transport sends it from the value itself and copies only what the socket does not
@@ -386,6 +413,18 @@ class _PiecewiseWrites:
     """
 
     _writer: asyncio.StreamWriter
+    encoder: Any
+
+    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(a, _Value) for a in args):
+            return super().pack_command(*args)  # type: ignore[misc]
+        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            pieces = arg.pieces if isinstance(arg, _Value) else (self.encoder.encode(arg),)
+            out.append(b"$%d\r\n" % sum(len(p) for p in pieces))
+            out += pieces
+            out.append(b"\r\n")
+        return out
 
     async def _send_packed_command(self, command: Iterable[bytes]) -> None:
         for piece in command:
@@ -399,8 +438,7 @@ class _PiecewiseWrites:
 
 @functools.cache
 def _piecewise(base: type) -> type:
-    if not hasattr(base, "_send_packed_command"):  # a redis-py without the hook: keep its own path
-        return base
+    # A redis-py without the ``_send_packed_command`` hook still gets ``pack_command``.
     return type(f"Piecewise{base.__name__}", (_PiecewiseWrites, base), {})
 
 

@@ -1,120 +1,207 @@
-"""``kvlayer bench ttft``: time to first token of a prompt whose prefix kvlayer holds.
+"""``kvlayer bench ttft``: time to first token of a prompt whose prefix is cached, per configuration.
 
-For each prefix length L (the prompt is L cached tokens + a short new suffix), in one run:
-``cold`` (kvlayer off, engine prefix cache off: full recompute), the first kvlayer request
-(an all-miss: it computes and stores, showing kvlayer's overhead on misses), the hit from
-each tier, and each hit's *floor*: KV bytes over the memcpy bandwidth measured in this run
-plus the time to compute the suffix alone (measured as an engine prefix-cache hit).
+For each prefix length n (the prompt is n cached tokens + ``--suffix`` new ones), in one run:
+
+- ``recompute``: no cache, the whole prompt computed (cold);
+- ``engine``: the engine's own prefix-cache hit, i.e. the suffix computed alone;
+- each kvlayer configuration (engine prefix cache off, so the prefix comes from kvlayer): the
+  first request (an all-miss that computes and stores: kvlayer's overhead on misses), the hit
+  with the chunks only in the measured tier (see ``ttft_measure``), the pure load time of the
+  prefix (no compute), and the *floor*: KV bytes over this run's memcpy bandwidth plus the
+  suffix's compute time;
+- ``--partial``: a prompt of the same length with only its first half cached;
+- ``--layerwise both``: every kvlayer configuration with and without layer-by-layer loading,
+  and the overlap ratio: layerwise TTFT / max(pure load, suffix compute) (1.0 = perfect
+  overlap) and / (load + suffix) (1.0 = no overlap at all);
+- per configuration, the crossover prefix length below which recomputing beats loading.
+
+Example: ``kvlayer bench ttft --lengths 256,1024,4096 --configs recompute,engine,cpu,nvme --plot ttft.png``
 """
 
 from __future__ import annotations
 
 import argparse
-import random
-import shutil
-import tempfile
-import time
 from typing import Any
 
-from kvlayer.benchmarks.common import default_model, machine_info, parse_ints, print_table, write_json
+from kvlayer.benchmarks import ttft_measure as tm
+from kvlayer.benchmarks.common import (
+    add_plot_argument,
+    close_figure,
+    default_model,
+    machine_info,
+    model_facts,
+    new_figure,
+    parse_ints,
+    print_table,
+    progress,
+    save_figure,
+    settings_of,
+    write_json,
+)
+from kvlayer.benchmarks.configs import BASELINES, BenchConfig, add_config_arguments, factory_from_args, parse_configs
+from kvlayer.benchmarks.stats import crossover, ratio
 
-TIER_CONFIGS: dict[str, dict[str, Any]] = {
-    "cpu": {"cpu_capacity": "2GiB"},
-    "gpu": {"gpu_capacity": "2GiB", "cpu_capacity": 0},
-}
+LAYERWISE = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="1024,2048,8192", help="cached prefix lengths")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096",
+                   help="cached prefix lengths, ascending (also the sweep for the crossover)")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
-    p.add_argument("--tiers", default="cpu,gpu", help=f"tiers to measure, of {sorted(TIER_CONFIGS)}")
-    p.add_argument("--chunk-size", type=int, default=256)
-
-
-def memcpy_bandwidth(nbytes: int) -> float:
-    """Bytes/s of a torch copy into already-touched memory (best of 5)."""
-    import torch
-
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.zeros_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
-
-
-def ttft(llm, prompt: list[int]) -> float:
-    from kvlayer.engine import SamplingParams
-
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0))[0]
-    return out.metrics.ttft
-
-
-def make_llm(model: str, device: str, max_len: int, kv_config: dict | None, prefix_caching: bool = False):
-    from kvlayer.engine import LLM
-
-    return LLM(model, device=device, enable_prefix_caching=prefix_caching, kv_cache_memory="1GiB",
-               max_num_batched_tokens=max_len, kv_config=kv_config)
+    p.add_argument("--partial", action="store_true", help="also measure prompts with half of them cached")
+    p.add_argument("--layerwise", choices=sorted(LAYERWISE), default="both",
+                   help="kvlayer's layer-by-layer loading: on, off, or both compared")
+    add_config_arguments(p)
+    add_plot_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
     model = args.model or default_model(args.home, "bench")
     lengths = parse_ints(args.lengths)
-    tiers = [t for t in args.tiers.split(",") if t]
-    for t in tiers:
-        if t not in TIER_CONFIGS:
-            raise ValueError(f"unknown tier {t!r}; choose from {sorted(TIER_CONFIGS)}")
+    if not lengths or any(b <= a for a, b in zip(lengths, lengths[1:])):
+        raise ValueError(f"--lengths must be ascending, got {args.lengths!r}")
+    names = parse_configs(args.configs)
     max_len = max(lengths) + args.suffix
-    workdir = tempfile.mkdtemp(prefix="kvlayer-ttft-")
-    try:
-        return _run(args, model, lengths, tiers, max_len, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _run(args, model, lengths, tiers, max_len, workdir) -> int:
-    cold = make_llm(model, args.device, max_len, None)
-    engine = make_llm(model, args.device, max_len, None, prefix_caching=True)
-    kv = {t: make_llm(model, args.device, max_len,
-                      {"chunk_size": args.chunk_size, **TIER_CONFIGS[t]}) for t in tiers}
-    vocab = cold.engine.model_config.vocab_size
-    per_token = kv[tiers[0]].engine.connector.engine.layout.bytes_per_token if tiers else 0
-    warm = [random.Random(-1).randrange(3, vocab) for _ in range(64)]
-    for llm in (cold, engine, *kv.values()):
-        ttft(llm, warm)
-    bandwidth = memcpy_bandwidth(max(lengths) * per_token) if per_token else 0.0
-    rows, results = [], []
-    for n in lengths:
-        rng = random.Random(n)
-        prompt = [rng.randrange(3, vocab) for _ in range(n + args.suffix)]
-        t_cold = ttft(cold, prompt)
-        ttft(engine, prompt)
-        t_suffix = ttft(engine, prompt)
-        cached = n // args.chunk_size * args.chunk_size
-        floor = cached * per_token / bandwidth + t_suffix if bandwidth else None
-        res: dict[str, Any] = {"prefix": n, "cold_s": t_cold, "suffix_s": t_suffix, "floor_s": floor,
-                               "kv_bytes": cached * per_token, "tiers": {}}
-        row = [n, t_cold]
-        for t in tiers:
-            t_miss = ttft(kv[t], prompt)
-            t_hit = ttft(kv[t], prompt)
-            res["tiers"][t] = {"miss_s": t_miss, "hit_s": t_hit, "speedup": t_cold / t_hit,
-                               "hit_over_floor": t_hit / floor if floor else None,
-                               "miss_overhead": t_miss / t_cold - 1}
-            row += [t_hit, t_cold / t_hit, t_hit / floor if floor else None, 100 * (t_miss / t_cold - 1)]
-        row.append(floor)
-        rows.append(row)
-        results.append(res)
-    cols = ["prefix", "cold s"]
-    for t in tiers:
-        cols += [f"{t} hit s", f"{t} speedup", f"{t} hit/floor", f"{t} miss +%"]
-    cols.append("floor s")
-    print_table(f"bench ttft: {model} (memcpy {bandwidth / 2**30:.1f} GiB/s)", cols, rows)
-    for llm in (cold, engine, *kv.values()):
-        llm.close()
-    write_json(args.json, {"machine": machine_info(args.device), "model": model, "suffix": args.suffix,
-                           "chunk_size": args.chunk_size, "memcpy_gib_s": bandwidth / 2**30,
-                           "results": results})
+    facts = model_facts(model, args.device)
+    per_token = facts["kv_bytes_per_token"]
+    prompts = [tm.make_prompts(n, args.suffix, facts["vocab"]) for n in lengths]
+    with factory_from_args(args, names, kvlayer_prefix_caching=False) as factory:
+        names = factory.available(names)
+        kv_names = [n for n in names if n not in BASELINES]
+        both = len(LAYERWISE[args.layerwise]) > 1
+        variants = [factory.build(n, lw, f"{n} lw={'on' if lw else 'off'}" if both else n)
+                    for n in kv_names for lw in LAYERWISE[args.layerwise]]
+        baselines = {n: factory.build(n) for n in BASELINES}
+        with progress(len(lengths) * (2 + len(variants)), "ttft") as advance:
+            base = tm.measure_baselines(model, args.device, prompts, args.partial, max_len, baselines, advance)
+            rows = {v.label: tm.measure_variant(model, args.device, v, prompts, args.partial, args.chunk_size,
+                                                max_len, advance) for v in variants}
+    bandwidth = tm.memcpy_bandwidth(max(lengths) * per_token)
+    record = build_record(args, facts, lengths, bandwidth, base, variants, rows)
+    report(record)
+    write_json(args.json, record)
+    plot(args.plot, record)
     return 0
+
+
+def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[int], bandwidth: float,
+                 base: dict[int, dict[str, Any]], variants: list[BenchConfig],
+                 rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The JSON record: baselines and floors per length, per variant its rows and crossover,
+    and the layerwise overlap when both modes ran."""
+    per_token = facts["kv_bytes_per_token"]
+    for n, b in base.items():
+        cached = n // args.chunk_size * args.chunk_size
+        b["kv_bytes"] = cached * per_token
+        b["floor_s"] = cached * per_token / bandwidth + b["suffix_s"]
+    out_variants = {}
+    for v in variants:
+        for r in rows[v.label]:
+            b = base[r["prefix"]]
+            r["speedup"] = ratio(b["cold_s"], r["hit_s"])
+            r["miss_overhead"] = r["miss_s"] / b["cold_s"] - 1
+            r["hit_over_floor"] = ratio(r["hit_s"], b["floor_s"])
+            if "partial_hit_s" in r:
+                r["partial_speedup"] = ratio(b["partial_cold_s"], r["partial_hit_s"])
+        cross = crossover(lengths, [base[n]["cold_s"] for n in lengths], [r["hit_s"] for r in rows[v.label]])
+        out_variants[v.label] = {"config": v.name, "layerwise": v.kv_config["layerwise"],
+                                 "kv_config": v.public_kv_config(), "by_length": rows[v.label],
+                                 "crossover": {"length": cross.length, "kind": cross.kind, "text": cross.text()}}
+    return {"bench": "ttft", "machine": machine_info(args.device), "model": facts,
+            "settings": settings_of(args), "memcpy_gib_s": bandwidth / 2**30, "lengths": lengths,
+            "baselines": {str(n): b for n, b in base.items()}, "variants": out_variants,
+            "layerwise": overlap(out_variants, base)}
+
+
+def overlap(variants: dict[str, dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each configuration run both ways, per length: layerwise TTFT against the pure load
+    time and the suffix compute time (``ratio_max`` 1.0 = perfect overlap, ``ratio_sum`` 1.0 = none)."""
+    pairs: dict[str, dict[bool, dict[str, Any]]] = {}
+    for v in variants.values():
+        pairs.setdefault(v["config"], {})[v["layerwise"]] = v
+    out = []
+    for name, pair in pairs.items():
+        if set(pair) != {True, False}:
+            continue
+        for on, off in zip(pair[True]["by_length"], pair[False]["by_length"]):
+            suffix = base[on["prefix"]]["suffix_s"]
+            load = on["load_s"]
+            out.append({"config": name, "prefix": on["prefix"], "layerwise_s": on["hit_s"], "whole_s": off["hit_s"],
+                        "load_s": load, "suffix_s": suffix,
+                        "ratio_max": ratio(on["hit_s"], max(load, suffix) if load is not None else None),
+                        "ratio_sum": ratio(on["hit_s"], load + suffix if load is not None else None)})
+    return out
+
+
+def report(record: dict[str, Any]) -> None:
+    """Print the TTFT table, the partial-hit and layerwise tables when measured, and the crossovers."""
+    rows = []
+    for n_str, b in record["baselines"].items():
+        n = int(n_str)
+        rows.append([n, "recompute", b["cold_s"], 1.0, None, None, None, "-"])
+        rows.append([n, "engine", b["suffix_s"], b["cold_s"] / b["suffix_s"], None, None, None, "engine"])
+        for label, v in record["variants"].items():
+            r = next(r for r in v["by_length"] if r["prefix"] == n)
+            rows.append([n, label, r["hit_s"], r["speedup"], 100 * r["miss_overhead"], r["load_s"],
+                         r["hit_over_floor"], _tiers(r["hit_tiers"])])
+        rows.append([n, "floor", b["floor_s"], b["cold_s"] / b["floor_s"], None, None, None, "-"])
+    m = record["model"]
+    print_table(f"bench ttft: {m['name']} ({m['layers']} layers), memcpy {record['memcpy_gib_s']:.1f} GiB/s",
+                ["prefix", "config", "TTFT s", "speedup", "miss +%", "load s", "hit/floor", "served by"], rows)
+    if any("partial_cold_s" in b for b in record["baselines"].values()):
+        prow = []
+        for n_str, b in record["baselines"].items():
+            prow.append([int(n_str), "recompute", 0, b["partial_cold_s"], 1.0])
+            prow.append([int(n_str), "engine", int(n_str) // 2, b["partial_engine_s"],
+                         b["partial_cold_s"] / b["partial_engine_s"]])
+            for label, v in record["variants"].items():
+                r = next(r for r in v["by_length"] if r["prefix"] == int(n_str))
+                prow.append([int(n_str), label, r["partial_cached"], r["partial_hit_s"], r["partial_speedup"]])
+        print_table("partial hit: half of the prompt cached", ["prompt", "config", "cached", "TTFT s", "speedup"],
+                    prow)
+    if record["layerwise"]:
+        print_table("layer-by-layer loading: overlap of load and compute",
+                    ["config", "prefix", "layerwise s", "whole s", "load s", "suffix s", "lw/max", "lw/sum"],
+                    [[o["config"], o["prefix"], o["layerwise_s"], o["whole_s"], o["load_s"], o["suffix_s"],
+                      o["ratio_max"], o["ratio_sum"]] for o in record["layerwise"]])
+        print("lw/max = layerwise TTFT / max(load, suffix compute): 1.0 is perfect overlap; "
+              "lw/sum = / (load + suffix): 1.0 is no overlap")
+    print("crossover: the cached prefix length below which recomputing is cheaper than loading")
+    for label, v in record["variants"].items():
+        print(f"  {label}: {v['crossover']['text']} tokens")
+
+
+def _tiers(tiers: dict[str, int]) -> str:
+    return " ".join(f"{t}:{n}" for t, n in tiers.items()) or "none"
+
+
+def plot(path: str | None, record: dict[str, Any]) -> None:
+    if not path:
+        return
+    lengths = record["lengths"]
+    base = [record["baselines"][str(n)] for n in lengths]
+    fig, axes = new_figure(1, 2, (13, 4.8))
+    ax, ax_s = axes[0]
+    ax.plot(lengths, [b["cold_s"] for b in base], "k-o", label="recompute")
+    ax.plot(lengths, [b["suffix_s"] for b in base], "k--", label="engine hit")
+    ax.plot(lengths, [b["floor_s"] for b in base], ":", color="0.5", label="floor")
+    for label, v in record["variants"].items():
+        hits = [r["hit_s"] for r in v["by_length"]]
+        ax.plot(lengths, hits, marker=".", label=label)
+        ax_s.plot(lengths, [r["speedup"] for r in v["by_length"]], marker=".", label=label)
+    ax.set(yscale="log", ylabel="TTFT s", title="TTFT")
+    ax_s.axhline(1.0, color="k", lw=0.8)
+    ax_s.set(ylabel="recompute TTFT / hit TTFT", title="speedup over recompute (crossover where it crosses 1)")
+    for a in (ax, ax_s):
+        a.set_xscale("log", base=2)
+        a.set_xticks(lengths, [str(n) for n in lengths])
+        a.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+        a.set_xlabel("cached prefix tokens")
+    ax.legend(fontsize=7)
+    ax_s.legend(fontsize=7)
+    fig.suptitle(f"bench ttft (suffix {record['settings'].get('suffix')} tokens)")
+    st = record["settings"]
+    setup = (f"suffix {st['suffix']} tokens, chunk {st['chunk_size']}, engine prefix cache off for kvlayer; "
+             f"hits with the chunks only in the measured tier (NVMe: page cache dropped; cpu+nvme: CPU emptied)")
+    save_figure(fig, path, record, setup)
+    close_figure(fig)

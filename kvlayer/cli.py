@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "engine", "engine_bench", "prefill and decode throughput vs transformers", home)
     _add_bench(bench, "ttft", "ttft", "time to first token: recompute vs each kvlayer tier", home)
     _add_bench(bench, "tiers", "tiers", "get/put throughput of each tier vs its raw ceiling", home)
+    _add_bench(bench, "multi-round-qa", "multi_round_qa", "chat users over a working set > the engine's KV", home)
+    _add_bench(bench, "long-doc-qa", "long_doc_qa", "documents queried again, hits from the lower tiers", home)
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
     return p
 
@@ -93,8 +95,32 @@ def _add_bench(sub: argparse._SubParsersAction, name: str, module: str, help_: s
     importlib.import_module(f"kvlayer.benchmarks.{module}").add_arguments(b)
 
 
+SMOKE: dict[str, list[str]] = {
+    "ttft": ["--lengths", "128,256", "--suffix", "8", "--chunk-size", "64"],
+    "multi-round-qa": ["--users", "3", "--rounds", "2", "--system-tokens", "128", "--history-tokens", "128",
+                       "--question-tokens", "16", "--answer-tokens", "4", "--chunk-size", "64", "--rate", "20"],
+    "long-doc-qa": ["--docs", "3", "--doc-tokens", "256", "--queries", "2", "--question-tokens", "8",
+                    "--answer-tokens", "2", "--chunk-size", "64"],
+    "engine": ["--lengths", "64", "--decode-seqs", "2", "--decode-prompt", "32", "--decode-tokens", "4"],
+}
+"""Flags appended to ``kvlayer bench <name>`` when ``KVLAYER_SMOKE=1`` (with a ``tiny`` model unless
+``--model`` is given): the documented commands, run by the docs test at a size CI affords."""
+
+
+def _smoke(argv: list[str]) -> list[str]:
+    if os.environ.get("KVLAYER_SMOKE") != "1" or len(argv) < 2 or argv[0] != "bench" or argv[1] not in SMOKE:
+        return argv
+    extra = list(SMOKE[argv[1]])
+    if "--model" not in argv and "-h" not in argv and "--help" not in argv:
+        from kvlayer.benchmarks.common import default_model
+
+        home = argv[argv.index("--home") + 1] if "--home" in argv else os.environ.get("KVLAYER_HOME", ".kvlayer")
+        extra += ["--model", default_model(home, "tiny")]
+    return [*argv, *extra]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_smoke(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,152 @@
+"""The measurements behind ``kvlayer bench ttft``: one engine at a time, every prefix length through it.
+
+Prompts: for prefix length n, ``full(n)`` is n tokens plus ``suffix`` new ones; ``partial(n)``
+shares the first n/2 tokens with ``full(n)`` (so they are already stored when it runs) and
+continues with fresh tokens to the same length: half the prompt cached, the rest computed.
+
+Before every kvlayer hit, ``isolate`` leaves the chunk in the measured tier alone: background
+writes finished, the CPU tier emptied when NVMe sits below it (``cpu+nvme`` is an NVMe hit
+through the CPU tier, promotion included), and the NVMe files dropped from the OS page cache
+(so an NVMe hit reads the disk, not memory).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvlayer.benchmarks.configs import BenchConfig, drop_page_cache, make_llm, tier_hit_tokens
+
+WARMUP_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Prompts:
+    """The prompts of one prefix length ``n`` (see the module docstring)."""
+
+    n: int
+    full: list[int]
+    partial: list[int]
+
+
+def make_prompts(n: int, suffix: int, vocab: int) -> Prompts:
+    rng = random.Random(n)
+    full = [rng.randrange(3, vocab) for _ in range(n + suffix)]
+    half = n // 2
+    rest = random.Random(f"partial-{n}")
+    return Prompts(n, full, full[:half] + [rest.randrange(3, vocab) for _ in range(n - half + suffix)])
+
+
+def ttft(llm: Any, prompt: list[int]) -> float:
+    """Seconds from submission to the first token of ``prompt`` (one request, greedy)."""
+    from kvlayer.engine import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0))[0]
+    return out.metrics.ttft
+
+
+def open_llm(model: str, device: str, config: BenchConfig, max_len: int) -> Any:
+    """An engine for prompts up to ``max_len`` tokens (prefilled in one step), warmed up."""
+    llm = make_llm(model, device, config, num_gpu_blocks=-(-max_len // 16) + 2, max_num_batched_tokens=max_len)
+    vocab = llm.engine.model_config.vocab_size
+    ttft(llm, [random.Random(-1).randrange(3, vocab) for _ in range(WARMUP_TOKENS)])
+    return llm
+
+
+def cache_engine(llm: Any) -> Any:
+    """The ``KVCacheEngine`` behind an LLM's kvlayer connector (None without one)."""
+    return getattr(llm.engine.connector, "engine", None)
+
+
+def isolate(llm: Any, config: BenchConfig) -> None:
+    """Leave the stored chunks only in the tier ``config`` measures (see the module docstring)."""
+    ce = cache_engine(llm)
+    if ce is None:
+        return
+    ce.flush()
+    if config.nvme_path and config.has_cpu_tier:
+        ce.evict_all("cpu")
+    drop_page_cache(config.nvme_path)
+
+
+def pure_load(llm: Any, tokens: list[int]) -> float | None:
+    """Seconds to retrieve ``tokens``' chunks from the tiers into the engine's paged cache with no
+    compute (blocks from 0 up, the engine being idle); None if not all of them came back."""
+    from kvlayer.transfer import slot_mapping
+
+    ce = cache_engine(llm)
+    if ce is None or not tokens:
+        return None
+    eng = llm.engine
+    bs = eng.config.block_size
+    slots = slot_mapping(range(-(-len(tokens) // bs)), bs, 0, len(tokens), eng.config.device)
+    t = time.perf_counter()
+    got = ce.retrieve(tokens, eng.runner.kv_caches, slots)
+    dt = time.perf_counter() - t
+    return dt if got == len(tokens) else None
+
+
+def measure_baselines(model: str, device: str, prompts: list[Prompts], partial: bool, max_len: int,
+                      configs: dict[str, BenchConfig], advance: Any) -> dict[int, dict[str, Any]]:
+    """Per prefix length: ``cold_s`` (recompute) and ``suffix_s`` (an engine prefix-cache hit: the
+    suffix computed alone), and with ``partial`` the same two for ``partial(n)``."""
+    out: dict[int, dict[str, Any]] = {p.n: {} for p in prompts}
+    with open_llm(model, device, configs["recompute"], max_len) as llm:
+        for p in prompts:
+            out[p.n]["cold_s"] = ttft(llm, p.full)
+            if partial:
+                out[p.n]["partial_cold_s"] = ttft(llm, p.partial)
+            advance(1)
+    with open_llm(model, device, configs["engine"], max_len) as llm:
+        for p in prompts:
+            out[p.n]["engine_miss_s"] = ttft(llm, p.full)
+            out[p.n]["suffix_s"] = ttft(llm, p.full)
+            if partial:
+                out[p.n]["partial_engine_s"] = ttft(llm, p.partial)
+            advance(1)
+    return out
+
+
+def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[str, int]]:
+    """TTFT of ``prompt`` after ``isolate``, and the tokens each tier served for it."""
+    isolate(llm, config)
+    before = tier_hit_tokens(llm.kv_stats())
+    t = ttft(llm, prompt)
+    after = tier_hit_tokens(llm.kv_stats())
+    return t, {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[Prompts], partial: bool,
+                    chunk: int, max_len: int, advance: Any) -> list[dict[str, Any]]:
+    """Per prefix length under one kvlayer configuration: the first (all-miss) request, the hit,
+    the pure load of the cached prefix and, with ``partial``, the half-cached prompt's hit."""
+    rows = []
+    with open_llm(model, device, config, max_len) as llm:
+        for p in prompts:
+            cached = p.n // chunk * chunk
+            row: dict[str, Any] = {"prefix": p.n, "cached": cached, "miss_s": ttft(llm, p.full)}
+            row["hit_s"], row["hit_tiers"] = _hit(llm, config, p.full)
+            isolate(llm, config)
+            row["load_s"] = pure_load(llm, p.full[:cached])
+            if partial:
+                row["partial_cached"] = p.n // 2 // chunk * chunk
+                row["partial_hit_s"], row["partial_tiers"] = _hit(llm, config, p.partial)
+            rows.append(row)
+            advance(1)
+    return rows
+
+
+def memcpy_bandwidth(nbytes: int) -> float:
+    """Bytes/s of a torch copy into already-touched memory (best of 5)."""
+    import torch
+
+    src = torch.ones(max(nbytes, 4) // 4, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * 4 / best

@@ -1,0 +1,130 @@
+"""``kvlayer bench ttft|multi-round-qa|long-doc-qa`` at tiny scale, through ``kvlayer.cli.main``.
+
+Each run writes JSON and a PNG; the tests check the record (every configuration present,
+positive times, hit rates within [0, 1], kvlayer configurations with hits) and the PNG
+signature. The ``redis`` configuration joins when a ``redis-server`` binary is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kvlayer.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+HAVE_REDIS = shutil.which("redis-server") is not None
+KV_CONFIGS = ["cpu", "cpu+nvme", "nvme"] + (["redis"] if HAVE_REDIS else [])
+SERVED_BY = {"cpu": "cpu", "cpu+nvme": "nvme", "nvme": "nvme", "redis": "redis"}
+"""The tier a hit must come from (``cpu+nvme`` is measured with the CPU tier emptied)."""
+
+
+def _run(tmp_path, *argv: str) -> dict:
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    code = main(["bench", *argv, "--home", str(tmp_path / "home"), "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    assert png.read_bytes()[:8] == PNG
+    return json.loads(out.read_text())
+
+
+def _check_record(record: dict, model: str) -> None:
+    assert record["machine"]["torch"] and record["machine"]["cores"] >= 1
+    assert record["model"]["path"] == model and record["model"]["kv_bytes_per_token"] > 0
+    assert record["settings"]["device"] == "cpu"
+
+
+def test_ttft_measures_every_tier_both_loading_modes_and_partial_hits(tiny_model_dir, tmp_path):
+    configs = ",".join(["recompute", "engine", *KV_CONFIGS])
+    rec = _run(tmp_path, "ttft", "--model", tiny_model_dir, "--lengths", "128,256", "--suffix", "8",
+               "--chunk-size", "64", "--configs", configs, "--layerwise", "both", "--partial")
+    _check_record(rec, tiny_model_dir)
+    assert rec["lengths"] == [128, 256]
+    for b in rec["baselines"].values():
+        assert b["cold_s"] > 0 and b["suffix_s"] > 0 and b["floor_s"] > 0
+        assert b["partial_cold_s"] > 0 and b["partial_engine_s"] > 0
+    assert sorted(rec["variants"]) == sorted(f"{c} lw={m}" for c in KV_CONFIGS for m in ("on", "off"))
+    for label, v in rec["variants"].items():
+        tier = SERVED_BY[v["config"]]
+        assert v["layerwise"] is label.endswith("on")
+        assert v["crossover"]["kind"] in ("below", "between", "never")
+        for row in v["by_length"]:
+            assert row["miss_s"] > 0 and row["hit_s"] > 0 and row["speedup"] > 0
+            assert row["hit_tiers"] == {tier: row["cached"]}, label
+            assert row["load_s"] is not None and row["load_s"] > 0
+            assert row["partial_cached"] == row["prefix"] // 2
+            assert row["partial_tiers"] == {tier: row["partial_cached"]}, label
+    assert {o["config"] for o in rec["layerwise"]} == set(KV_CONFIGS)
+    assert all(o["ratio_max"] > 0 and o["ratio_sum"] > 0 for o in rec["layerwise"])
+
+
+def test_ttft_with_one_loading_mode_names_configs_plainly(tiny_model_dir, tmp_path):
+    rec = _run(tmp_path, "ttft", "--model", tiny_model_dir, "--lengths", "64", "--suffix", "4",
+               "--chunk-size", "32", "--configs", "recompute,cpu", "--layerwise", "off")
+    assert list(rec["variants"]) == ["cpu"] and rec["variants"]["cpu"]["layerwise"] is False
+    assert rec["layerwise"] == []
+
+
+def _check_serving(results: list[dict], names: list[str], must_hit: list[str]) -> dict[str, dict]:
+    by = {r["config"]: r for r in results}
+    assert list(by) == names
+    for name, r in by.items():
+        assert r["requests"] > 0 and r["span_s"] > 0
+        assert 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] and r["ttft_s"]["mean"] > 0
+        assert r["generated_tok_per_s"] > 0 and r["request_per_s"] > 0
+        assert all(0.0 <= v <= 1.0 for v in r["hit_rate"].values()), name
+        assert 0.0 <= r["recomputed"] <= 1.0
+        if r["kvlayer"] is not None:
+            assert r["hit_rate"]["kvlayer"] > 0 or name not in must_hit, name
+            tiers = sum(v for k, v in r["hit_rate"].items() if k not in ("engine", "kvlayer"))
+            assert tiers == pytest.approx(r["hit_rate"]["kvlayer"])
+    assert by["recompute"]["hit_rate"] == {"engine": 0.0, "kvlayer": 0.0}
+    return by
+
+
+def test_multi_round_qa_compares_configs_over_a_working_set_beyond_the_engine(tiny_model_dir, tmp_path):
+    names = ["recompute", "engine", *KV_CONFIGS]
+    rec = _run(tmp_path, "multi-round-qa", "--model", tiny_model_dir, "--users", "4", "--rounds", "3",
+               "--system-tokens", "128", "--history-tokens", "256", "--question-tokens", "16",
+               "--answer-tokens", "4", "--chunk-size", "64", "--rate", "20", "--cpu-capacity", "64MiB",
+               "--configs", ",".join(names))
+    _check_record(rec, tiny_model_dir)
+    assert rec["working_set_over_engine_kv"] > 2
+    by = _check_serving(rec["results"], names, KV_CONFIGS)
+    assert by["engine"]["hit_rate"]["engine"] > 0  # the shared system prompt stays hot
+    for name in KV_CONFIGS:
+        assert by[name]["warmup"]["requests"] == 4
+        assert len(rec["requests"][name]) == 8
+    assert rec["goals"]["cpu+nvme"]["mean_ttft_x_lower"] > 0
+
+
+def test_long_doc_qa_serves_repeated_documents_from_the_lower_tiers(tiny_model_dir, tmp_path):
+    names = ["recompute", "engine", *KV_CONFIGS]
+    rec = _run(tmp_path, "long-doc-qa", "--model", tiny_model_dir, "--docs", "4", "--doc-tokens", "256",
+               "--queries", "2", "--question-tokens", "8", "--answer-tokens", "2", "--chunk-size", "64",
+               "--configs", ",".join(names))
+    _check_record(rec, tiny_model_dir)
+    # the CPU tier holds two documents of four: alone, it may serve nothing (LRU over a cycle)
+    by = _check_serving(rec["results"], names, [n for n in KV_CONFIGS if n != "cpu"])
+    assert by["cpu+nvme"]["hit_rate"]["nvme"] > 0
+    for name in ("cpu+nvme", "nvme", *(["redis"] if HAVE_REDIS else [])):
+        reuse = by[name]["reuse"]
+        assert reuse["repeated_queries"] == 4
+        assert reuse["from_kvlayer"] >= 0.5, name
+        assert "goal_met" in reuse
+    assert by["recompute"]["reuse"]["from_kvlayer"] == 0
+
+
+def test_an_unknown_config_is_a_usage_error(tiny_model_dir, tmp_path, capsys):
+    code = main(["bench", "long-doc-qa", "--model", tiny_model_dir, "--configs", "cpu,floppy",
+                 "--home", str(tmp_path)])
+    assert code == 2 and "floppy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ttft", "multi-round-qa", "long-doc-qa"])
+def test_help_lists_the_comparison_options(command, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", command, "--help"])
+    text = capsys.readouterr().out
+    assert "--configs" in text and "--plot" in text and "--json" in text
