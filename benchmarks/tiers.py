@@ -34,7 +34,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvlayer.benchmarks.common import machine_info, parse_ints, print_table, write_json
+from kvlayer.benchmarks.common import (
+    add_plot_argument,
+    close_figure,
+    machine_info,
+    new_figure,
+    parse_ints,
+    print_table,
+    progress,
+    save_figure,
+    write_json,
+)
 from kvlayer.benchmarks.tier_ceilings import file_rates, memcpy_rate, redis_rates
 
 if TYPE_CHECKING:
@@ -63,10 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="Redis server to measure (default: a local redis-server, if installed)")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads for the copies (0: torch's default; 1 steadies figures on a busy machine)")
+    add_plot_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Measure, print the table, write ``--json``; 0 on success (ValueError for a bad option)."""
+    """Measure, print the table, write ``--json`` and ``--plot``; 0 on success (ValueError for a bad option)."""
     from kvlayer.engine.presets import PRESETS
 
     if args.preset not in PRESETS:
@@ -88,19 +99,44 @@ def main(args: argparse.Namespace) -> int:
         notes.append("KVLAYER_SMOKE=1: tiny preset, at most 4 chunks, one run")
     with _redis_url(args.redis_url if "redis" in tiers else None, "redis" in tiers, notes) as url, \
             _nvme_folder(args.nvme_path, args.home) as folder:
-        results = [_measure_size(args, PRESETS[args.preset], n, tiers, compressions, folder, url)
-                   for n in parse_ints(args.chunk_tokens)]
+        sizes = parse_ints(args.chunk_tokens)
+        runs = len(sizes) * sum(1 if t == "cpu" else len(compressions) for t in tiers)
+        with progress(runs, "bench tiers") as advance:
+            results = [_measure_size(args, PRESETS[args.preset], n, tiers, compressions, folder, url, advance)
+                       for n in sizes]
     notes += _memory_notes(results)
     _print(args, results, notes)
-    write_json(args.json, {"machine": machine_info("cpu"), "preset": args.preset, "chunks": args.chunks,
-                           "repeat": args.repeat, "goals": {"get_ratio": GOAL_GET_RATIO,
-                                                            "redis_memory_per_kv_byte": GOAL_REDIS_MEMORY},
-                           "ceilings": CEILINGS, "notes": notes, "results": results})
+    record = {"machine": machine_info("cpu"), "preset": args.preset, "chunks": args.chunks,
+              "repeat": args.repeat, "goals": {"get_ratio": GOAL_GET_RATIO,
+                                               "redis_memory_per_kv_byte": GOAL_REDIS_MEMORY},
+              "ceilings": CEILINGS, "notes": notes, "results": results}
+    write_json(args.json, record)
+    _plot(args.plot, results, record)
     return 0
 
 
+def _plot(path: str | None, results: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    """Bars of each tier's get and put ratio to its raw ceiling, per chunk size."""
+    if not path:
+        return
+    fig, axes = new_figure(1, 2)
+    for ax, op in zip(axes[0], ("get", "put")):
+        labels, values = [], []
+        for res in results:
+            for r in res["tiers"]:
+                labels.append(f"{r['tier']}/{r['compression']}\n{res['chunk_tokens']} tok")
+                values.append(r.get(f"{op}_ratio") or 0.0)
+        ax.bar(range(len(values)), values, color="tab:blue" if op == "get" else "tab:orange")
+        ax.axhline(GOAL_GET_RATIO, color="0.4", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_ylabel(f"{op} GiB/s / raw ceiling")
+        ax.set_title(f"{op}: tier throughput relative to its raw ceiling")
+    save_figure(fig, path, {**record, "model": {"name": record["preset"]}}, "bench tiers")
+    close_figure(fig)
+
+
 def _measure_size(args: argparse.Namespace, preset: Any, tokens: int, tiers: list[str], compressions: list[str],
-                  folder: str, url: str | None) -> dict[str, Any]:
+                  folder: str, url: str | None, advance: Callable[[], None]) -> dict[str, Any]:
     """Ceilings and tier figures for one chunk size."""
     import torch  # here, not at the top: building the CLI parser imports this module
 
@@ -125,6 +161,7 @@ def _measure_size(args: argparse.Namespace, preset: Any, tokens: int, tiers: lis
                 if tier == "redis":
                     figures["memory_per_kv_byte"] = redis_memory_ratio(config, batch)
                 rows.append({"tier": tier, "compression": comp, **figures, **_ratios(tier, figures, ceilings)})
+                advance()
     finally:
         batch.close()
     return {"chunk_tokens": tokens, "chunk_bytes": layout.chunk_bytes(tokens), "value_bytes": value,

@@ -22,7 +22,10 @@ TINY = ["--preset", "tiny", "--chunk-tokens", "16,32", "--chunks", "3", "--repea
 
 def run(tmp_path: Path, *argv: str) -> dict:
     out = tmp_path / "tiers.json"
-    assert main(["bench", "tiers", *TINY, *argv, "--home", str(tmp_path / "home"), "--json", str(out)]) == 0
+    png = tmp_path / "tiers.png"
+    assert main(["bench", "tiers", *TINY, *argv, "--home", str(tmp_path / "home"), "--json", str(out),
+                 "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads(out.read_text())
 
 
