@@ -22,6 +22,7 @@ from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
+from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.registry import build_backends
 from kvlayer.storage import BackendContext, StorageBackend
@@ -110,16 +111,23 @@ class KVCacheEngine:
         The caller owns one reference to each chunk: it fills them (``kvlayer.transfer.gather``
         or, layer by layer, ``gather_layer``), then hands them to ``commit``, or releases them.
         """
-        have = self.tiers.lookup(keys, record=False).num_chunks
-        todo, objs = [], []
-        for key in keys[have:]:
-            obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
-            if obj is None:
-                self.metrics.count("staging", "errors")
-                break
-            todo.append(key)
-            objs.append(obj)
-        return todo, objs
+        return self.stage_many([keys])[0]
+
+    def stage_many(self, requests: Sequence[Sequence[ChunkKey]]) -> list[tuple[list[ChunkKey], list[MemoryObj]]]:
+        """``stage`` for several key lists, with one presence check of the tiers for all of them."""
+        held = self.tiers.lookup_many(requests, record=False)
+        out = []
+        for keys, found in zip(requests, held):
+            todo, objs = [], []
+            for key in keys[found.num_chunks :]:
+                obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
+                if obj is None:
+                    self.metrics.count("staging", "errors")
+                    break
+                todo.append(key)
+                objs.append(obj)
+            out.append((todo, objs))
+        return out
 
     def commit(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store filled ``chunks`` under ``keys`` (the top memory tier now, the lower tiers in the
@@ -155,8 +163,7 @@ class KVCacheEngine:
                 end = key.end
             wait_for_copies(slot_mapping.device)
         finally:
-            for obj in chunks:
-                obj.release()
+            _release(chunks)
         return max(end, start) if chunks else start
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -198,8 +205,3 @@ class KVCacheEngine:
     def evict_all(self, tier: str | None = None) -> int:
         """Remove every unpinned chunk from ``tier`` (every tier if None); returns how many."""
         return self.tiers.remove_all(tier)
-
-
-def _release(objs: Sequence[MemoryObj]) -> None:
-    for obj in objs:
-        obj.release()

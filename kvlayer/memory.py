@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -152,6 +153,12 @@ class Arena:
 
     def _free(self, slot: int) -> None:
         self._free_slots.append(slot)
+
+
+def release_all(objs: Iterable[MemoryObj]) -> None:
+    """Release one reference of each of ``objs`` (the caller's)."""
+    for obj in objs:
+        obj.release()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

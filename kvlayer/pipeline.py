@@ -30,6 +30,7 @@ import torch
 from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
+from kvlayer.memory import release_all as _release
 from kvlayer.transfer import gather_layer, scatter_layer
 
 log = logging.getLogger(__name__)
@@ -138,8 +139,7 @@ class SaveJob:
         self._engine = engine
         self._stream = stream
         self._chunks: list[tuple[str, ChunkKey, MemoryObj, torch.Tensor]] = []
-        for item in items:
-            keys, objs = engine.stage(item.keys)
+        for item, (keys, objs) in zip(items, engine.stage_many([item.keys for item in items])):
             self._chunks += [(item.request_id, k, o, item.slots[k.start : k.end]) for k, o in zip(keys, objs)]
 
     def __len__(self) -> int:
@@ -199,8 +199,3 @@ def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> con
     if after is not None:
         stream.wait_event(after)
     return torch.cuda.stream(stream)
-
-
-def _release(objs: Sequence[MemoryObj]) -> None:
-    for obj in objs:
-        obj.release()

@@ -37,6 +37,7 @@ from kvlayer.health import Clock, LogThrottle
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
+from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.storage import StorageBackend
 from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier, TierFailure
@@ -96,9 +97,15 @@ class TierManager:
 
         ``record=False`` leaves the lookup counters alone (an internal presence check).
         """
-        keys = list(keys)
-        miss = LookupResult(0, 0, {})
-        return self._run(self._lookup(keys, record), "lookup", miss) if keys else miss
+        return self.lookup_many([keys], record)[0]
+
+    def lookup_many(self, requests: Sequence[Sequence[ChunkKey]], record: bool = True) -> list[LookupResult]:
+        """``lookup`` for several key lists, answered together in one trip to the I/O loop."""
+        lists = [list(keys) for keys in requests]
+        miss = [LookupResult(0, 0, {}) for _ in lists]
+        if not any(lists):
+            return miss
+        return self._run(self._lookup_all(lists, record), "lookup", miss)
 
     def retrieve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         """The chunks of the longest prefix of ``keys`` the tiers hold, in order.
@@ -192,6 +199,10 @@ class TierManager:
         self._metrics.set_gauge_source(None)
 
     # --- coroutines on the loop ---------------------------------------------------------
+    async def _lookup_all(self, lists: list[list[ChunkKey]], record: bool) -> list[LookupResult]:
+        miss = LookupResult(0, 0, {})
+        return list(await asyncio.gather(*(self._lookup(keys, record) if keys else _value(miss) for keys in lists)))
+
     async def _lookup(self, keys: list[ChunkKey], record: bool) -> LookupResult:
         tiers = [t for t in self._tiers if t.usable()]
         for t in tiers if record else ():
@@ -466,6 +477,10 @@ class TierManager:
         return [obj for obj in got[:lead] if obj is not None]
 
 
+async def _value(value: T) -> T:
+    return value
+
+
 def _release_found(found: Sequence[_Found]) -> None:
     for objs, _ in found:
         _release(objs)
@@ -478,8 +493,3 @@ async def _get_many(backend: StorageBackend, keys: list[ChunkKey]) -> list[Memor
         _release([obj for obj in got if obj is not None])
         raise ValueError(f"get_many returned {len(got)} results for {len(keys)} keys")
     return got
-
-
-def _release(objs: Sequence[MemoryObj]) -> None:
-    for obj in objs:
-        obj.release()
