@@ -83,6 +83,8 @@ class ControllerAgent:
         self._thread: threading.Thread | None = None
         self._connected = threading.Event()
         self._was_connected = False
+        self.last_error: str | None = None
+        """Why the last connection attempt failed or ended ("CODE: details"); None before any."""
         self.registrations = 0
         """How many times the agent has registered (and snapshotted); for tests and logs."""
 
@@ -140,17 +142,18 @@ class ControllerAgent:
             self._loop.close()
 
     async def _run(self) -> None:
-        delay, failing = self._backoff[0], False
+        delay, logged = self._backoff[0], None
         while not self._stop.is_set():
             error = await self._attempt()
             if self._stop.is_set():
                 break
             if self._was_connected:
-                delay, failing = self._backoff[0], False
-            if not failing:
-                reason = _describe(error) if error is not None else "the stream ended"
-                log.warning("kvlayer agent: controller %s: %s; retrying with backoff", self._target.address, reason)
-                failing = True
+                delay, logged = self._backoff[0], None
+            self.last_error = _describe(error) if error is not None else "the stream ended"
+            if self.last_error != logged:  # one line per new reason, not one per retry
+                log.warning("kvlayer agent: controller %s: %s; retrying with backoff",
+                            self._target.address, self.last_error)
+                logged = self.last_error
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.8, 1.2))
             delay = min(delay * 2, self._backoff[1])
