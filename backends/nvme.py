@@ -20,6 +20,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from kvlayer import serde
@@ -70,6 +71,7 @@ class NvmeBackend(StorageBackend):
         self._write_done = asyncio.Event()
         self._writes: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency
         self._scan_lock = asyncio.Lock()
         self._scanned = False
         self._closed = False
@@ -102,6 +104,49 @@ class NvmeBackend(StorageBackend):
         except BaseException:
             await _cancel_and_release(tasks)
             raise
+
+    async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
+                          groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
+        """``StorageBackend.read_layers`` with one ranged read per file and layer group (all
+        files' group g, spread over the worker threads, before any file's group g + 1)."""
+        await self._ready()
+        if self._compression != "none":
+            return await super().read_layers(keys, outs, groups, on_group)
+        entries = [self._index.get(k.digest) for k in keys]
+        reads = [nvme_files.RangedRead(e.path, k, o.tensor) if e is not None else None
+                 for k, e, o in zip(keys, entries, outs, strict=True)]
+        for e in entries:
+            if e is not None:
+                e.readers += 1
+        try:
+            for g, (lo, hi) in enumerate(groups):
+                live = [r for r in reads if r is not None and r.error is None]
+                n = max(1, min(self._concurrency, len(live)))
+                await _on_threads([partial(_read_range, live[i::n], lo, hi) for i in range(n)])
+                on_group(g)
+            return [self._finished(k, e, r) for k, e, r in zip(keys, entries, reads)]
+        finally:
+            for e, r in zip(entries, reads):
+                if e is not None:
+                    e.readers -= 1
+                if r is not None:
+                    r.finish()  # closes the file (a no-op once finished)
+
+    def _finished(self, key: ChunkKey, entry: IndexEntry | None, read: nvme_files.RangedRead | None) -> bool:
+        """Close ``read`` and count its outcome, as ``_get_one`` does for a whole read."""
+        ok = read is not None and entry is not None and read.finish()
+        if ok:
+            self._stats["bytes_read"] += entry.size
+            self._index.touch(key.digest)
+        elif read is not None and entry is not None:
+            if isinstance(read.error, serde.ChunkFormatError):
+                self._corrupt(entry, read.error)
+            elif read.error is not None:
+                self._fault("io_errors", entry.path, read.error)
+                if isinstance(read.error, FileNotFoundError):
+                    self._forget(entry)
+        self._stats["hits" if ok else "misses"] += 1
+        return ok
 
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Write each chunk not yet present; a chunk that fails to write is counted, not raised.
@@ -341,6 +386,22 @@ async def _fill(obj: MemoryObj, fn: Callable[..., T], *args: Any) -> T:
         raise
     except BaseException:
         obj.release()
+        raise
+
+
+def _read_range(reads: Sequence[nvme_files.RangedRead], lo: int, hi: int) -> None:
+    for r in reads:
+        r.read(lo, hi)
+
+
+async def _on_threads(jobs: Sequence[Callable[[], None]]) -> None:
+    """Run ``jobs`` on worker threads at once; returns (even when cancelled) only once all are done."""
+    loop = asyncio.get_running_loop()
+    futures = [loop.run_in_executor(None, job) for job in jobs]
+    try:
+        await asyncio.shield(asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        await asyncio.wait(futures)
         raise
 
 

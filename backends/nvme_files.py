@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiofiles
 import aiofiles.os
 import torch
+import xxhash
 
 from kvlayer import serde
 from kvlayer.keys import ChunkKey
@@ -236,3 +237,91 @@ def unlink_quietly(path: str) -> bool:
     except OSError:
         return False
     return True
+
+
+class RangedRead:
+    """One raw (uncompressed) chunk file read into ``out`` layer range by layer range, in order.
+
+    ``read(lo, hi)`` reads layers ``[lo, hi)`` (the first call also the header, which it
+    checks against ``key``, ``out``'s shape and dtype and the file's size) and feeds them to a
+    running checksum; ``finish()`` closes the file and checks that checksum once every layer
+    was read. The first error is kept in ``error`` (``OSError`` or ``ChunkFormatError``) and
+    ends the reads. Blocking: call ``read`` and ``finish`` on a worker thread, one at a time.
+    """
+
+    def __init__(self, path: str, key: ChunkKey, out: torch.Tensor) -> None:
+        self.path = path
+        self.error: Exception | None = None
+        self._key = key
+        self._out = out
+        self._dst = memoryview(out.view(-1).view(torch.uint8).numpy())
+        self._layer_bytes = len(self._dst) // out.shape[0]
+        self._fd: int | None = None
+        self._header: serde.ChunkHeader | None = None
+        self._hasher = xxhash.xxh3_64()
+        self._done = 0
+        """Payload bytes read so far."""
+        self._finished: bool | None = None
+
+    def read(self, lo: int, hi: int) -> int:
+        """Read layers ``[lo, hi)`` into ``out``; the bytes read (0 once an error happened)."""
+        if self.error is not None:
+            return 0
+        start, end = lo * self._layer_bytes, hi * self._layer_bytes
+        try:
+            if start != self._done:
+                raise ValueError(f"layers must be read in order: byte {start}, expected {self._done}")
+            if self._fd is None:
+                return self._open_and_read(end)
+            _pread_exactly(self._fd, [self._dst[start:end]], serde.HEADER_SIZE + start)
+        except (OSError, serde.ChunkFormatError) as e:
+            self.error = e
+            return 0
+        self._hasher.update(self._dst[start:end])
+        self._done = end
+        return end - start
+
+    def finish(self) -> bool:
+        """Close the file; whether every byte was read and matches the header's checksum (a
+        mismatch is kept in ``error``)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        elif self._finished is not None:
+            return self._finished
+        if self.error is None and self._header is not None and self._done == len(self._dst):
+            if self._hasher.intdigest() == self._header.payload_checksum:
+                self._finished = True
+                return True
+            self.error = serde.ChunkFormatError("payload checksum mismatch")
+        self._finished = False
+        return False
+
+    def _open_and_read(self, end: int) -> int:
+        self._fd = os.open(self.path, os.O_RDONLY)
+        size = os.fstat(self._fd).st_size
+        if size != serde.HEADER_SIZE + len(self._dst):
+            raise serde.ChunkFormatError(f"the file is {size} bytes, a raw chunk {serde.HEADER_SIZE + len(self._dst)}")
+        head = bytearray(serde.HEADER_SIZE)
+        _pread_exactly(self._fd, [head, self._dst[:end]], 0)
+        self._header = serde.decode_header(head)
+        serde.check_header(self._header, self._key, tuple(self._out.shape), self._out.dtype)
+        if self._header.compression != serde.COMPRESSION_CODES["none"]:
+            raise serde.ChunkFormatError("a compressed chunk cannot be read by layers")
+        self._hasher.update(self._dst[:end])
+        self._done = end
+        return serde.HEADER_SIZE + end
+
+
+def _pread_exactly(fd: int, buffers: Sequence[bytearray | memoryview], offset: int) -> None:
+    """Fill ``buffers`` from ``offset`` of ``fd``; ChunkFormatError if the file ends first."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:
+            raise serde.ChunkFormatError(f"the file ends at byte {offset}")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views:
+            views[0] = views[0][n:]

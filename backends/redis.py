@@ -36,12 +36,13 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvlayer import serde
+from kvlayer.backends.redis_layers import read_layers_on
 from kvlayer.backends.redis_reads import Expected, Reply, decode_value, read_reply
 from kvlayer.keys import KEY_BYTES, ChunkKey
 from kvlayer.layout import KVLayout
@@ -49,6 +50,7 @@ from kvlayer.memory import Arena, MemoryObj
 from kvlayer.storage import BackendContext, StorageBackend
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 COUNTERS = ("hits", "misses", "checksum_errors", "staging_full", "node_errors", "bytes_read",
             "bytes_written", "puts", "removed")
@@ -149,6 +151,41 @@ class RedisBackend(StorageBackend):
             self._spawn(self._delete(bad))
         self._maybe_sample_usage()
         return out
+
+    async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
+                          groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
+        """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s by layer group
+        (``backends/redis_layers.py``); compressed values and cluster mode read whole values."""
+        if self.settings.cluster or self.settings.compression != "none" or not keys:
+            return await super().read_layers(keys, outs, groups, on_group)
+        names = [self.redis_key(k) for k in keys]
+        pool = self._connection().connection_pool
+        async with self._deadline():
+            conn = await pool.get_connection()
+            try:
+                values = await conn.retry.call_with_retry(
+                    lambda: self._read_layers_on(conn, names, keys, outs, groups, on_group),
+                    lambda _: conn.disconnect())
+            finally:
+                await pool.release(conn)
+        flags = []
+        for name, v in zip(names, values):
+            ok = v.verified()
+            self._stats["hits" if ok else "misses"] += 1
+            if ok:
+                self._stats["bytes_read"] += v.nbytes
+            elif v.error is not None:
+                self._stats["checksum_errors"] += 1
+                self._log_once("corrupt", "redis: invalid chunk under %s (%s); deleting it", name.decode(), v.error)
+                self._spawn(self._delete([name]))
+            flags.append(ok)
+        self._maybe_sample_usage()
+        return flags
+
+    async def _read_layers_on(self, conn: Any, names: list[bytes], keys: Sequence[ChunkKey],
+                              outs: Sequence[MemoryObj], groups: Sequence[tuple[int, int]],
+                              on_group: Callable[[int], None]) -> list[Any]:
+        return await _read_or_drop(conn, "GETRANGE", read_layers_on(conn, names, keys, outs, groups, on_group))
 
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Write each chunk not yet present (``SET NX``); ValueError for a chunk that does not fit its key.
@@ -267,22 +304,21 @@ class RedisBackend(StorageBackend):
             await pool.release(conn)
 
     async def _get_on(self, conn: Any, wants: list[Expected]) -> list[Reply]:
-        from redis.exceptions import ConnectionError as RedisConnectionError
-
         await conn.send_packed_command(conn.pack_commands([("GET", self.redis_key(w.key)) for w in wants]))
         replies: list[Reply] = []
-        try:
+
+        async def read_all() -> list[Reply]:
             for want in wants:
                 replies.append(await read_reply(conn._reader, want))
-        except BaseException as e:
+            return replies
+
+        try:
+            return await _read_or_drop(conn, "GET", read_all())
+        except BaseException:
             for r in replies:
                 if r.obj is not None:
                     r.obj.release()
-            await conn.disconnect(nowait=True)  # the stream is mid-reply: the connection is unusable
-            if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
-                raise RedisConnectionError(f"reading GET replies: {e!r}") from e
             raise
-        return replies
 
     async def _get_cluster(self, wants: list[Expected]) -> list[Reply]:
         values = await self._run([("GET", self.redis_key(w.key)) for w in wants])
@@ -377,6 +413,20 @@ def _raise_server_error(replies: Iterable[Any]) -> None:
     for r in replies:
         if isinstance(r, BaseException) and not _failure(r):
             raise r
+
+
+async def _read_or_drop(conn: Any, what: str, reading: Awaitable[T]) -> T:
+    """``await reading`` (replies read from ``conn``'s stream); on any failure the connection,
+    left mid-reply, is dropped, and a broken stream is raised as redis' ConnectionError."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    try:
+        return await reading
+    except BaseException as e:
+        await conn.disconnect(nowait=True)
+        if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+            raise RedisConnectionError(f"reading {what} replies: {e!r}") from e
+        raise
 
 
 async def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:

@@ -121,19 +121,21 @@ async def _read_value(stream: asyncio.StreamReader, size: int, want: Expected) -
     try:
         header = _checked_header(head, size, want)
     except serde.ChunkFormatError as e:
-        await _skip(stream, size - len(head))
+        await skip_reply(stream, size - len(head))
         return Reply(None, True, e, size)
     if header.compression != serde.COMPRESSION_CODES["none"]:
         payload = await stream.readexactly(header.payload_len)
-        await _skip(stream, 0)
+        await skip_reply(stream, 0)
         return _decoded(header, payload, size, want)
     obj = want.staging.allocate(header.shape, header.dtype)
     if obj is None:
-        await _skip(stream, header.payload_len)
+        await skip_reply(stream, header.payload_len)
         return Reply(None, True, None, size)
     try:
-        checksum = await _read_into(stream, obj.tensor.view(-1).view(torch.uint8).numpy())
-        await _skip(stream, 0)
+        hasher = xxhash.xxh3_64()
+        await read_into(stream, obj.tensor.view(-1).view(torch.uint8).numpy(), hasher)
+        checksum = hasher.intdigest()
+        await skip_reply(stream, 0)
     except BaseException:
         obj.release()
         raise
@@ -143,9 +145,8 @@ async def _read_value(stream: asyncio.StreamReader, size: int, want: Expected) -
     return Reply(obj, True, None, size)
 
 
-async def _read_into(stream: asyncio.StreamReader, out: np.ndarray) -> int:
-    """Fill ``out`` (uint8) from ``stream``; the xxh3 checksum of the bytes read."""
-    hasher = xxhash.xxh3_64()
+async def read_into(stream: asyncio.StreamReader, out: np.ndarray, hasher: Any) -> None:
+    """Fill ``out`` (uint8) from ``stream``, feeding the bytes to ``hasher`` (an xxh3 state)."""
     done = 0
     while done < len(out):
         data = await stream.read(min(len(out) - done, _READ_SIZE))
@@ -154,10 +155,9 @@ async def _read_into(stream: asyncio.StreamReader, out: np.ndarray) -> int:
         hasher.update(data)
         out[done:done + len(data)] = np.frombuffer(data, dtype=np.uint8)
         done += len(data)
-    return hasher.intdigest()
 
 
-async def _skip(stream: asyncio.StreamReader, n: int) -> None:
+async def skip_reply(stream: asyncio.StreamReader, n: int) -> None:
     """Drop ``n`` bytes of a value, then the CRLF ending it."""
     while n > 0:
         data = await stream.read(min(n, _READ_SIZE))

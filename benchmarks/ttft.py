@@ -12,7 +12,8 @@ For each prefix length n (the prompt is n cached tokens + ``--suffix`` new ones)
 - ``--partial``: a prompt of the same length with only its first half cached;
 - ``--layerwise both``: every kvlayer configuration with and without layer-by-layer loading,
   and the overlap ratio: layerwise TTFT / max(pure load, suffix compute) (1.0 = perfect
-  overlap) and / (load + suffix) (1.0 = no overlap at all);
+  overlap) and / (load + suffix) (1.0 = no overlap at all), for the full hit and, with
+  ``--partial``, for the half-cached prompt;
 - per configuration, the crossover prefix length below which recomputing beats loading.
 
 Example: ``kvlayer bench ttft --lengths 256,1024,4096 --configs recompute,engine,cpu,nvme --plot ttft.png``
@@ -115,7 +116,9 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
 
 def overlap(variants: dict[str, dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """For each configuration run both ways, per length: layerwise TTFT against the pure load
-    time and the suffix compute time (``ratio_max`` 1.0 = perfect overlap, ``ratio_sum`` 1.0 = none)."""
+    time and the suffix compute time (``ratio_max`` 1.0 = perfect overlap, ``ratio_sum`` 1.0 = none),
+    for the full hit and, when measured, the partial one (its suffix: the engine computing the
+    uncached half over the cached one)."""
     pairs: dict[str, dict[bool, dict[str, Any]]] = {}
     for v in variants.values():
         pairs.setdefault(v["config"], {})[v["layerwise"]] = v
@@ -124,12 +127,16 @@ def overlap(variants: dict[str, dict[str, Any]], base: dict[int, dict[str, Any]]
         if set(pair) != {True, False}:
             continue
         for on, off in zip(pair[True]["by_length"], pair[False]["by_length"]):
-            suffix = base[on["prefix"]]["suffix_s"]
-            load = on["load_s"]
-            out.append({"config": name, "prefix": on["prefix"], "layerwise_s": on["hit_s"], "whole_s": off["hit_s"],
-                        "load_s": load, "suffix_s": suffix,
-                        "ratio_max": ratio(on["hit_s"], max(load, suffix) if load is not None else None),
-                        "ratio_sum": ratio(on["hit_s"], load + suffix if load is not None else None)})
+            b = base[on["prefix"]]
+            cases = [("full", "", b["suffix_s"])]
+            if "partial_hit_s" in on:
+                cases.append(("partial", "partial_", b["partial_engine_s"]))
+            for case, key, suffix in cases:
+                load, hit = on[f"{key}load_s"], on[f"{key}hit_s"]
+                out.append({"config": name, "prefix": on["prefix"], "case": case, "layerwise_s": hit,
+                            "whole_s": off[f"{key}hit_s"], "load_s": load, "suffix_s": suffix,
+                            "ratio_max": ratio(hit, max(load, suffix) if load is not None else None),
+                            "ratio_sum": ratio(hit, load + suffix if load is not None else None)})
     return out
 
 
@@ -161,8 +168,9 @@ def report(record: dict[str, Any]) -> None:
                     prow)
     if record["layerwise"]:
         print_table("layer-by-layer loading: overlap of load and compute",
-                    ["config", "prefix", "layerwise s", "whole s", "load s", "suffix s", "lw/max", "lw/sum"],
-                    [[o["config"], o["prefix"], o["layerwise_s"], o["whole_s"], o["load_s"], o["suffix_s"],
+                    ["config", "prompt", "cached", "layerwise s", "whole s", "load s", "suffix s", "lw/max",
+                     "lw/sum"],
+                    [[o["config"], o["prefix"], o["case"], o["layerwise_s"], o["whole_s"], o["load_s"], o["suffix_s"],
                       o["ratio_max"], o["ratio_sum"]] for o in record["layerwise"]])
         print("lw/max = layerwise TTFT / max(load, suffix compute): 1.0 is perfect overlap; "
               "lw/sum = / (load + suffix): 1.0 is no overlap")

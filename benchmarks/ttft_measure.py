@@ -121,7 +121,7 @@ def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[
 def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[Prompts], partial: bool,
                     chunk: int, max_len: int, advance: Any) -> list[dict[str, Any]]:
     """Per prefix length under one kvlayer configuration: the first (all-miss) request, the hit,
-    the pure load of the cached prefix and, with ``partial``, the half-cached prompt's hit."""
+    the pure load of the cached prefix and, with ``partial``, the half-cached prompt's hit and load."""
     rows = []
     with open_llm(model, device, config, max_len) as llm:
         for p in prompts:
@@ -133,6 +133,8 @@ def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[
             if partial:
                 row["partial_cached"] = p.n // 2 // chunk * chunk
                 row["partial_hit_s"], row["partial_tiers"] = _hit(llm, config, p.partial)
+                isolate(llm, config)
+                row["partial_load_s"] = pure_load(llm, p.partial[: row["partial_cached"]])
             rows.append(row)
             advance(1)
     return rows

@@ -17,6 +17,10 @@ import torch.nn.functional as F
 
 from kvlayer.engine.attention_metadata import AttentionMetadata, PrefillSpan
 
+FOLD_MAX_ROWS = 512
+"""Query tokens x query heads per KV head up to which a span over cached tokens folds its query
+groups (``_folded_attention``); longer spans repeat the keys instead (it stops paying off)."""
+
 
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -105,6 +109,8 @@ def _prefill_attention(
         rows = torch.arange(span.num_tokens, device=query.device)[:, None] + span.num_cached
         mask = torch.arange(span.context_len, device=query.device)[None, :] <= rows
     groups = q.shape[1] // k.shape[1]
+    if mask is not None and groups > 1 and span.num_tokens * groups <= FOLD_MAX_ROWS:
+        return _folded_attention(q, k, v, mask, groups, scale)
     # 4-D [1, heads, tokens, D] operands with equal head counts reach the fused CPU kernel; 3-D
     # ones or enable_gqa fall back to slower paths (2-10x at 2k tokens)
     result = F.scaled_dot_product_attention(
@@ -116,6 +122,19 @@ def _prefill_attention(
         scale=scale,
     )
     return result[0].transpose(0, 1)
+
+
+def _folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: int,
+                      scale: float) -> torch.Tensor:
+    """A few query tokens over a long context with GQA: each KV head's query group is folded
+    into its query rows (row g * n + i is token i of the group's head g), so the keys and values
+    are used as they are instead of repeated per query head (3x faster for 32 tokens over 8k)."""
+    n, heads, dim = q.shape
+    kv_heads = heads // groups
+    rows = q.view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * n, dim)
+    out = F.scaled_dot_product_attention(rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask.repeat(groups, 1), scale=scale)
+    return out.view(kv_heads, groups, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
 def _heads_first(x: torch.Tensor, groups: int) -> torch.Tensor:

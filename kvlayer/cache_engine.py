@@ -26,6 +26,7 @@ from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.registry import build_backends
 from kvlayer.storage import BackendContext, StorageBackend
+from kvlayer.streaming import LayerStream, layer_groups
 from kvlayer.tier_manager import TierManager
 from kvlayer.transfer import gather, scatter, wait_for_copies
 
@@ -120,9 +121,8 @@ class KVCacheEngine:
         for keys, found in zip(requests, held):
             todo, objs = [], []
             for key in keys[found.num_chunks :]:
-                obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
+                obj = self._allocate(key)
                 if obj is None:
-                    self.metrics.count("staging", "errors")
                     break
                 todo.append(key)
                 objs.append(obj)
@@ -142,6 +142,20 @@ class KVCacheEngine:
         """The chunks of the longest held prefix of each key list, read from all tiers at once
         (``TierManager.retrieve_many``); the caller owns one reference to each and releases it."""
         return self.tiers.retrieve_many(requests)
+
+    def fetch_layers(self, requests: Sequence[Sequence[ChunkKey]]) -> LayerStream:
+        """Like ``fetch``, but the chunks read from lower tiers arrive layer group by layer group
+        (``kvlayer.streaming``): the caller follows the ``LayerStream`` contract and passes
+        ``self.tiers.promote`` to its ``finish``."""
+        layer_bytes = self.layout.chunk_bytes(self.config.chunk_size) // self.layout.num_layers
+        groups = layer_groups(self.layout.num_layers, layer_bytes)
+        return self.tiers.stream_many(requests, groups, self._allocate)
+
+    def _allocate(self, key: ChunkKey) -> MemoryObj | None:
+        obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
+        if obj is None:
+            self.metrics.count("staging", "errors")
+        return obj
 
     def retrieve(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                  cache_salt: str | None = None, start: int = 0, keys: Sequence[ChunkKey] | None = None) -> int:

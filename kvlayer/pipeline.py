@@ -1,10 +1,13 @@
 """Layer-by-layer transfers between kvlayer and a paged KV cache (ARCHITECTURE.md section 6).
 
 ``LoadJob`` brings one step's matched prefixes into the cache. It reads every request's
-chunks from their tiers at once (``KVCacheEngine.fetch``), then copies them into the cache one
-layer at a time, all layers in order, and marks each layer ready; the forward pass calls
-``wait_layer(i)`` just before layer i's attention, so it computes layer i while layers after
-it are still being copied. Run on an executor thread (layerwise) or right away (baseline).
+chunks from their tiers at once (``KVCacheEngine.fetch_layers``: memory tiers' chunks whole,
+lower tiers' layer group by layer group), copies each layer into the cache as soon as it has
+arrived for every chunk, and marks it ready; the forward pass calls ``wait_layer(i)`` just
+before layer i's attention, so it computes layer i while later layers are still being read
+and copied. Run on an executor thread (layerwise) or right away (baseline). A chunk that fails
+verification after its first layers were used ends the request's valid prefix (``failures``):
+the engine then discards the step's work for that request and recomputes it.
 
 ``SaveJob`` takes one step's newly completed chunks out of the cache: staging chunks are
 allocated when the step starts, ``layer(i, cache)`` copies layer i into them right after that
@@ -31,6 +34,7 @@ from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
+from kvlayer.streaming import LayerStream
 from kvlayer.transfer import gather_layer, scatter_layer
 
 log = logging.getLogger(__name__)
@@ -104,21 +108,21 @@ class LoadJob:
 
     # --- the job --------------------------------------------------------------------------
     def _run(self) -> None:
-        held: list[list[MemoryObj]] = []
+        stream: LayerStream | None = None
         try:
             wanted = [item.wanted() for item in self._items]
-            held = self._engine.fetch(wanted)
-            valid = {}
-            for item, keys, objs in zip(self._items, wanted, held, strict=True):
-                valid[item.request_id] = min(keys[len(objs) - 1].end, item.end) if objs else item.start
+            stream = self._engine.fetch_layers(wanted)
             with _on(self._stream, self._start_event):
                 for layer, cache in enumerate(self._caches):
-                    for item, keys, objs in zip(self._items, wanted, held, strict=True):
+                    stream.wait_layer(layer)
+                    for item, keys, objs in zip(self._items, wanted, stream.objs, strict=True):
                         _scatter_layer(layer, cache, item, keys, objs)
                     if self._events:
                         self._events[layer].record(self._stream)
                     self._ready[layer].set()
-            self._valid.update(valid)
+            counts = stream.finish(self._engine.tiers.promote)
+            for item, keys, n in zip(self._items, wanted, counts, strict=True):
+                self._valid[item.request_id] = min(keys[n - 1].end, item.end) if n else item.start
         except Exception:  # a bug below must cost a recompute, never the engine
             log.exception("kvlayer: loading %d requests failed; they are recomputed", len(self._items))
         finally:
@@ -126,8 +130,8 @@ class LoadJob:
                 ready.set()
             if self._stream is not None:
                 self._stream.synchronize()  # the copies read the chunks released below
-            for objs in held:
-                _release(objs)
+            if stream is not None:
+                stream.release()
 
 
 class SaveJob:

@@ -23,7 +23,7 @@ never be returned: a backend verifies headers and checksums (``kvlayer.serde``) 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,7 +32,7 @@ import torch
 from kvlayer.config import KVLayerConfig
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
-from kvlayer.memory import Arena, MemoryObj
+from kvlayer.memory import Arena, MemoryObj, release_all
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +101,33 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         """The chunks for ``keys`` (``None`` for each miss); see the module docstring for ownership."""
+
+    async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
+                          groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
+        """Fill ``outs[i]`` (a host chunk of ``keys[i]``'s shape, owned by the caller) with that
+        chunk, layer group by layer group (``kvlayer.streaming``); per key, whether it is verified.
+
+        ``groups`` are consecutive layer ranges ``[lo, hi)`` from layer 0. ``on_group(g)`` is
+        called once per group, in order, when layers ``groups[g]`` of every out are written
+        (for a key found missing or corrupt, with anything). A key whose flag is False is a
+        miss and its out holds garbage; a flag is True only once the whole chunk is checked.
+        Never returns, nor raises, while anything still writes into ``outs``; raises for a
+        failure of the tier as a whole (every key then a miss). This default reads whole
+        chunks with ``get_many`` and copies them: a serialising tier overrides it with ranged
+        reads.
+        """
+        got = await self.get_many(keys)
+        try:
+            flags = []
+            for obj, out in zip(got, outs, strict=True):
+                if obj is not None:
+                    out.tensor.copy_(obj.tensor)
+                flags.append(obj is not None)
+        finally:
+            release_all(o for o in got if o is not None)
+        for g in range(len(groups)):
+            on_group(g)
+        return flags
 
     @abc.abstractmethod
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:

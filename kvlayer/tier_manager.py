@@ -40,6 +40,7 @@ from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.storage import StorageBackend
+from kvlayer.streaming import LayerGroups, LayerStream
 from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier, TierFailure
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,28 @@ class TierManager:
         for keys, (objs, sources) in zip(lists, found):
             self._promote(keys, objs, sources)
         return [objs for objs, _ in found]
+
+    def stream_many(self, requests: Sequence[Sequence[ChunkKey]], groups: LayerGroups,
+                    allocate: Callable[[ChunkKey], MemoryObj | None]) -> LayerStream:
+        """Open a ``LayerStream`` of the longest held prefix of each key list: the memory tiers'
+        chunks at once, the lower tiers' read into ``allocate``d chunks by layer ``groups``.
+
+        Call from a thread other than the I/O loop's; the caller then follows the
+        ``LayerStream`` contract (``wait_layer``, ``finish(promote)``, ``release``). A failure
+        or timeout while opening is an empty stream (every request a miss), never an exception.
+        """
+        self._check_open()
+        lists = [list(keys) for keys in requests]
+        if not any(lists):
+            return LayerStream.empty(lists, groups)
+        stream = LayerStream(lists, groups, self._loop, self._op_timeout)
+        opened = stream.open(self._tiers, self._collect, allocate)
+        return self._run(opened, "load", LayerStream.empty(lists, groups), LayerStream.release)
+
+    def promote(self, keys: list[ChunkKey], objs: list[MemoryObj], sources: list[int]) -> None:
+        """Copy chunks read from lower tiers (``sources[i]`` is the index of ``objs[i]``'s tier)
+        into every tier above theirs, in the background; the caller keeps its references."""
+        self._promote(keys, objs, sources)
 
     def store(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store ``chunks[i]`` under ``keys[i]`` in every tier; returns once the top memory tier has them.
@@ -248,10 +271,20 @@ class TierManager:
 
     async def _retrieve(self, keys: list[ChunkKey]) -> _Found:
         """The found prefix and, per chunk, the index of the tier it came from."""
+        found, source = await self._collect(keys, len(self._tiers))
+        n = found.index(None) if None in found else len(found)
+        _release([obj for obj in found[n:] if obj is not None])
+        for key, src in zip(keys[:n], source[:n]):  # tokens served, credited to their tier
+            self._tiers[src].metrics.inc("hit_tokens", key.num_tokens)
+        return [obj for obj in found[:n] if obj is not None], source[:n]
+
+    async def _collect(self, keys: list[ChunkKey], upto: int) -> tuple[list[MemoryObj | None], list[int]]:
+        """Per key, its chunk from the first of tiers ``0..upto-1`` that has it (None if none
+        does) and that tier's index (-1); the caller owns the chunks."""
         found: list[MemoryObj | None] = [None] * len(keys)
         source = [-1] * len(keys)
         try:
-            for i, tier in enumerate(self._tiers):
+            for i, tier in enumerate(self._tiers[:upto]):
                 missing = [j for j, obj in enumerate(found) if obj is None]
                 if not missing or not tier.usable():
                     continue
@@ -267,11 +300,7 @@ class TierManager:
         except BaseException:
             _release([obj for obj in found if obj is not None])
             raise
-        n = found.index(None) if None in found else len(found)
-        _release([obj for obj in found[n:] if obj is not None])
-        for key, src in zip(keys[:n], source[:n]):  # tokens served, credited to their tier
-            self._tiers[src].metrics.inc("hit_tokens", key.num_tokens)
-        return [obj for obj in found[:n] if obj is not None], source[:n]
+        return found, source
 
     async def _put(self, tier: GuardedTier, keys: list[ChunkKey], chunks: list[MemoryObj], skip_present: bool,
                    counter: str | None = None) -> None:

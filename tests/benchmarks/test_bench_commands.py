@@ -56,6 +56,7 @@ def test_ttft_measures_every_tier_both_loading_modes_and_partial_hits(tiny_model
             assert row["partial_cached"] == row["prefix"] // 2
             assert row["partial_tiers"] == {tier: row["partial_cached"]}, label
     assert {o["config"] for o in rec["layerwise"]} == set(KV_CONFIGS)
+    assert {o["case"] for o in rec["layerwise"]} == {"full", "partial"}
     assert all(o["ratio_max"] > 0 and o["ratio_sum"] > 0 for o in rec["layerwise"])
 
 

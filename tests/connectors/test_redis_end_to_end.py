@@ -248,15 +248,15 @@ def test_redis_killed_mid_workload_and_restarted(tiny_model_dir: str, baseline: 
 
     def kill_at_the_next_load() -> None:
         backend = next(b for b in llm.engine.connector.engine.backends if b.name == "redis")
-        load = backend.get_many
+        load = backend.read_layers
 
-        async def dying(keys: Sequence[Any]) -> Any:
+        async def dying(keys: Sequence[Any], *args: Any) -> Any:
             if not killed:  # once: the restarted server must live
                 killed.append(len(keys))
                 redis_server.kill()
-            return await load(keys)
+            return await load(keys, *args)
 
-        monkeypatch.setattr(backend, "get_many", dying)
+        monkeypatch.setattr(backend, "read_layers", dying)
 
     def while_down() -> None:
         assert killed and killed[0] > 0, "turn 2's lookup found chunks, and Redis died before their load"

@@ -221,3 +221,58 @@ def test_read_only_disk_folder(tiny_model_dir: str, baseline: list, tmp_path: Pa
     assert run["nvme"]["write_errors"] > 0 and run["nvme"]["puts"] == 0
     assert run["healthy"]
     assert chunk_files(folder) == files and temp_files(folder) == []
+
+
+# --- layer-by-layer loads: corruption found after the first layers were used ------------------
+def flip_last_layer_of_every_chunk(kind: str, where: str) -> int:
+    """Flip a byte near the end (the last layer) of every stored chunk; returns how many."""
+    if kind == "nvme":
+        files = sorted(chunk_files(Path(where)))
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[-5] ^= 0x08
+            path.write_bytes(bytes(data))
+        return len(files)
+    chunks = redis_chunks(where)
+    client = redis_sync.Redis.from_url(where, socket_timeout=5)
+    try:
+        for name, value in chunks.items():
+            data = bytearray(value)
+            data[-5] ^= 0x08
+            client.set(name, bytes(data))
+    finally:
+        client.close()
+    return len(chunks)
+
+
+@pytest.mark.parametrize("kind", ["nvme", pytest.param("redis", marks=pytest.mark.redis)])
+def test_corruption_found_after_early_layers_were_used(tiny_model_dir: str, baseline: list,  # noqa: F811
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       request: pytest.FixtureRequest, kind: str) -> None:
+    """Loads stream one layer at a time, so a chunk whose last layer is corrupt is only found
+    bad after the step computed over its first layers: that step's work is discarded and
+    recomputed, the tokens stay those of a run without kvlayer, and later turns hit again."""
+    from kvlayer import cache_engine, streaming
+
+    monkeypatch.setattr(streaming, "MIN_GROUP_BYTES", 1)  # one group per layer
+    used: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(cache_engine, "layer_groups", lambda *a: used.append(streaming.layer_groups(*a)) or used[-1])
+    if kind == "nvme":
+        where, config = str(tmp_path / "nvme"), nvme_config(tmp_path / "nvme")
+    else:
+        where = request.getfixturevalue("redis_server").url
+        config = redis_config(where)
+
+    def before(i: int) -> None:
+        flush(llm)
+        if i == 2:
+            assert flip_last_layer_of_every_chunk(kind, where) >= 3
+
+    with make(tiny_model_dir, config) as llm:
+        outs = chat(llm, before=before)
+        assert used and all(len(groups) >= 2 for groups in used), "loads streamed layer by layer"
+        assert tokens(outs) == baseline
+        assert tier(llm, kind)["checksum_errors"] >= 1
+        assert outs[1].num_external_tokens > 0 and sum(external(outs[3:])) > 0, "hits resume after the fault"
+        flush(llm)
+        assert staging_used(llm) == 0
