@@ -19,7 +19,7 @@ connection errors and timeouts raise, and the next call reconnects by itself. In
 a batch is split into one pipeline per node: a node that fails makes its own keys misses
 (``node_errors``) while the others answer; the call raises only if every node it needed failed.
 
-Throughput: a value is never copied whole on the way out or in. ``_PiecewiseWrites`` packs a
+Throughput: a value is never copied whole on the way out or in. ``backends/redis_clients.py`` packs a
 value as its two pieces (the header, then the payload: a view of the chunk's tensor or its lz4
 frame) and writes the pieces one by one: Python 3.11's ``StreamWriter.writelines`` would join
 every piece into one new buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB
@@ -32,7 +32,6 @@ connection class, so in cluster mode values are joined once and replies go throu
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import Counter
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvlayer import serde
+from kvlayer.backends.redis_clients import PiecewiseValue, make_client, sync_client
 from kvlayer.backends.redis_layers import read_layers_on
 from kvlayer.backends.redis_reads import Expected, Reply, decode_value, read_reply
 from kvlayer.keys import KEY_BYTES, ChunkKey
@@ -60,7 +60,6 @@ USAGE_EVERY_S = 5.0
 NODE_SHARE = 0.8
 """In cluster mode each node's pipeline gets this share of the deadline, so the others' answers
 arrive before the call's deadline when one node hangs."""
-_BIG_PIECE = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +225,7 @@ class RedisBackend(StorageBackend):
 
     def keys(self) -> list[bytes]:
         """Digests of every chunk under the prefix, by a blocking ``SCAN``: call it off the I/O loop."""
-        client = _sync_client(self.settings)
+        client = sync_client(self.settings)
         try:
             names = client.scan_iter(match=self._prefix + b"*", count=1000)
             return [d for d in (self._digest_of(n) for n in names) if d is not None]
@@ -246,14 +245,14 @@ class RedisBackend(StorageBackend):
             await client.aclose()
 
     # --- encoding and decoding --------------------------------------------------------
-    def _encode(self, key: ChunkKey, chunk: MemoryObj) -> _Value:
+    def _encode(self, key: ChunkKey, chunk: MemoryObj) -> PiecewiseValue:
         """Header and payload as one value in two pieces; the payload is a view of the chunk (or its lz4 frame)."""
         shape = self._layout.chunk_shape(key.num_tokens)
         if tuple(chunk.shape) != shape or chunk.dtype != self._layout.dtype:
             raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
                              f"{key.hex[:16]} (expected {shape} {self._layout.dtype})")
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
-        return _Value(serde.encode_chunk(key, tensor, self.settings.compression))
+        return PiecewiseValue(serde.encode_chunk(key, tensor, self.settings.compression))
 
     def _counted(self, key: ChunkKey, reply: Reply) -> MemoryObj | None:
         """``reply``'s chunk, or None (a miss), counted; a corrupt value is logged once."""
@@ -289,7 +288,7 @@ class RedisBackend(StorageBackend):
     def _connection(self) -> Any:
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
-            self._client = _make_client(self.settings)
+            self._client = make_client(self.settings)
             self._loop = loop
         return self._client
 
@@ -435,93 +434,3 @@ async def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         for cmd in commands:
             pipe.execute_command(*cmd)
         return list(await pipe.execute(raise_on_error=False))
-
-
-# --- clients ---------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Value:
-    """One Redis string value given as consecutive pieces (header, payload), never joined by
-    ``_PiecewiseWrites``: joining would copy each multi-MiB payload into fresh memory."""
-
-    pieces: tuple[bytes | memoryview, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(p) for p in self.pieces)
-
-    def joined(self) -> bytes:
-        return b"".join(self.pieces)
-
-
-class _PiecewiseWrites:
-    """Mixin for redis-py asyncio connections: pack a ``_Value`` argument as one bulk string of
-    several pieces, and send a packed command piece by piece.
-
-    Each large piece (a value) is written alone, as a memoryview, and drained before the next,
-    so the transport sends it from the value itself and copies only what the socket does not
-    take at once. redis-py's ``send_packed_command`` still applies its timeout and error handling.
-    """
-
-    _writer: asyncio.StreamWriter
-    encoder: Any
-
-    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
-        if not any(isinstance(a, _Value) for a in args):
-            return super().pack_command(*args)  # type: ignore[misc]
-        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            pieces = arg.pieces if isinstance(arg, _Value) else (self.encoder.encode(arg),)
-            out.append(b"$%d\r\n" % sum(len(p) for p in pieces))
-            out += pieces
-            out.append(b"\r\n")
-        return out
-
-    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
-        for piece in command:
-            if len(piece) >= _BIG_PIECE:
-                self._writer.write(memoryview(piece))
-                await self._writer.drain()
-            else:
-                self._writer.write(piece)
-        await self._writer.drain()
-
-
-@functools.cache
-def _piecewise(base: type) -> type:
-    # A redis-py without the ``_send_packed_command`` hook still gets ``pack_command``.
-    return type(f"Piecewise{base.__name__}", (_PiecewiseWrites, base), {})
-
-
-def _timeouts(settings: RedisSettings) -> dict[str, Any]:
-    return {"socket_timeout": settings.timeout_s, "socket_connect_timeout": settings.timeout_s}
-
-
-def _make_client(settings: RedisSettings) -> Any:
-    """An asyncio client for ``settings`` (no I/O yet); one retry on a fresh connection, no backoff."""
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    if settings.cluster:
-        from redis.asyncio.cluster import RedisCluster
-
-        # No cluster-level retry: it would close every node's connections and sleep 0.25 s.
-        return RedisCluster.from_url(settings.url, retry=Retry(NoBackoff(), 0), **_timeouts(settings))
-    from redis.asyncio import ConnectionPool, Redis
-    from redis.asyncio.connection import Connection, parse_url
-
-    kwargs: dict[str, Any] = dict(parse_url(settings.url))
-    base = kwargs.pop("connection_class", Connection)
-    # One retry lets a call on a connection the server dropped (a restart) reconnect and succeed.
-    pool = ConnectionPool(connection_class=_piecewise(base), **{**kwargs, **_timeouts(settings)},
-                          retry=Retry(NoBackoff(), 1))
-    return Redis.from_pool(pool)
-
-
-def _sync_client(settings: RedisSettings) -> Any:
-    if settings.cluster:
-        from redis.cluster import RedisCluster
-
-        return RedisCluster.from_url(settings.url, **_timeouts(settings))
-    from redis import Redis
-
-    return Redis.from_url(settings.url, **_timeouts(settings))

@@ -26,7 +26,7 @@ from kvlayer.memory import MemoryObj
 from .redis_reads import ProtocolError, read_into, skip_reply
 
 
-class _Value:
+class RangedValue:
     """One key's read state: where its bytes go, its running checksum and its first error."""
 
     def __init__(self, key: ChunkKey, out: MemoryObj) -> None:
@@ -53,14 +53,14 @@ class _Value:
 
 
 async def read_layers_on(conn: Any, names: Sequence[bytes], keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
-                         groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[_Value]:
+                         groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[RangedValue]:
     """Send the ranged reads of ``names`` on the redis-py connection ``conn`` and fill ``outs``.
 
-    Answers each key's ``_Value`` (``verified()`` tells whether it holds the chunk, ``error``
+    Answers each key's ``RangedValue`` (``verified()`` tells whether it holds the chunk, ``error``
     why not; a never-started value is a missing key). Raises ProtocolError (or the stream's
     errors) if the stream breaks, after which the connection must be dropped.
     """
-    values = [_Value(k, o) for k, o in zip(keys, outs, strict=True)]
+    values = [RangedValue(k, o) for k, o in zip(keys, outs, strict=True)]
     commands = [("STRLEN", name) for name in names]
     commands += [("GETRANGE", name, *v.span(lo, hi, g == 0))
                  for g, (lo, hi) in enumerate(groups) for name, v in zip(names, values)]
@@ -75,7 +75,7 @@ async def read_layers_on(conn: Any, names: Sequence[bytes], keys: Sequence[Chunk
     return values
 
 
-async def _read_length(stream: asyncio.StreamReader, v: _Value) -> None:
+async def _read_length(stream: asyncio.StreamReader, v: RangedValue) -> None:
     """Read one STRLEN reply: a value of another size than a raw chunk's fails ``v``."""
     line = await stream.readuntil(b"\r\n")
     if line[:1] == b"-":
@@ -88,7 +88,7 @@ async def _read_length(stream: asyncio.StreamReader, v: _Value) -> None:
         v.error = serde.ChunkFormatError(f"value is {size} bytes, a raw chunk {serde.HEADER_SIZE + len(v.dst)}")
 
 
-async def _read_group(stream: asyncio.StreamReader, v: _Value, lo: int, hi: int, first: bool) -> None:
+async def _read_group(stream: asyncio.StreamReader, v: RangedValue, lo: int, hi: int, first: bool) -> None:
     """Read one GETRANGE reply into ``v``'s chunk (or past it once ``v`` failed)."""
     start, end = v.span(lo, hi, first)
     line = await stream.readuntil(b"\r\n")
@@ -120,7 +120,7 @@ async def _read_group(stream: asyncio.StreamReader, v: _Value, lo: int, hi: int,
     v.nbytes += size
 
 
-def _checked_header(head: bytes, v: _Value) -> serde.ChunkHeader:
+def _checked_header(head: bytes, v: RangedValue) -> serde.ChunkHeader:
     header = serde.decode_header(head)
     serde.check_header(header, v.key, tuple(v.out.shape), v.out.dtype)
     if header.compression != serde.COMPRESSION_CODES["none"] or header.payload_len != len(v.dst):

@@ -1,0 +1,109 @@
+"""redis-py clients for the Redis tier (``backends/redis.py``), built lazily, with no I/O.
+
+``make_client`` gives the asyncio client: a plain one whose connections send a
+``PiecewiseValue`` (header, payload) without ever joining it, or a cluster client;
+``sync_client`` a blocking one for occasional admin calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvlayer.backends.redis import RedisSettings
+
+_BIG_PIECE = 64 * 1024
+"""Pieces at least this large are written alone, from their own memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class PiecewiseValue:
+    """One Redis string value given as consecutive pieces (header, payload), never joined by
+    ``_PiecewiseWrites``: joining would copy each multi-MiB payload into fresh memory."""
+
+    pieces: tuple[bytes | memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    def joined(self) -> bytes:
+        return b"".join(self.pieces)
+
+
+class _PiecewiseWrites:
+    """Mixin for redis-py asyncio connections: pack a ``PiecewiseValue`` argument as one bulk string of
+    several pieces, and send a packed command piece by piece.
+
+    Each large piece (a value) is written alone, as a memoryview, and drained before the next,
+    so the transport sends it from the value itself and copies only what the socket does not
+    take at once. redis-py's ``send_packed_command`` still applies its timeout and error handling.
+    """
+
+    _writer: asyncio.StreamWriter
+    encoder: Any
+
+    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(isinstance(a, PiecewiseValue) for a in args):
+            return super().pack_command(*args)  # type: ignore[misc]
+        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            pieces = arg.pieces if isinstance(arg, PiecewiseValue) else (self.encoder.encode(arg),)
+            out.append(b"$%d\r\n" % sum(len(p) for p in pieces))
+            out += pieces
+            out.append(b"\r\n")
+        return out
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        for piece in command:
+            if len(piece) >= _BIG_PIECE:
+                self._writer.write(memoryview(piece))
+                await self._writer.drain()
+            else:
+                self._writer.write(piece)
+        await self._writer.drain()
+
+
+@functools.cache
+def _piecewise(base: type) -> type:
+    # A redis-py without the ``_send_packed_command`` hook still gets ``pack_command``.
+    return type(f"Piecewise{base.__name__}", (_PiecewiseWrites, base), {})
+
+
+def _timeouts(settings: RedisSettings) -> dict[str, Any]:
+    return {"socket_timeout": settings.timeout_s, "socket_connect_timeout": settings.timeout_s}
+
+
+def make_client(settings: RedisSettings) -> Any:
+    """An asyncio client for ``settings`` (no I/O yet); one retry on a fresh connection, no backoff."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    if settings.cluster:
+        from redis.asyncio.cluster import RedisCluster
+
+        # No cluster-level retry: it would close every node's connections and sleep 0.25 s.
+        return RedisCluster.from_url(settings.url, retry=Retry(NoBackoff(), 0), **_timeouts(settings))
+    from redis.asyncio import ConnectionPool, Redis
+    from redis.asyncio.connection import Connection, parse_url
+
+    kwargs: dict[str, Any] = dict(parse_url(settings.url))
+    base = kwargs.pop("connection_class", Connection)
+    # One retry lets a call on a connection the server dropped (a restart) reconnect and succeed.
+    pool = ConnectionPool(connection_class=_piecewise(base), **{**kwargs, **_timeouts(settings)},
+                          retry=Retry(NoBackoff(), 1))
+    return Redis.from_pool(pool)
+
+
+def sync_client(settings: RedisSettings) -> Any:
+    if settings.cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(settings.url, **_timeouts(settings))
+    from redis import Redis
+
+    return Redis.from_url(settings.url, **_timeouts(settings))
