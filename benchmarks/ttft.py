@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cached prefix lengths, ascending (also the sweep for the crossover)")
     p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
     p.add_argument("--partial", action="store_true", help="also measure prompts with half of them cached")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each hit and load this many times and report the median")
     p.add_argument("--layerwise", choices=sorted(LAYERWISE), default="both",
                    help="kvlayer's layer-by-layer loading: on, off, or both compared")
     add_config_arguments(p)
@@ -59,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     model = args.model or default_model(args.home, "bench")
     lengths = parse_ints(args.lengths)
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     if not lengths or any(b <= a for a, b in zip(lengths, lengths[1:])):
         raise ValueError(f"--lengths must be ascending, got {args.lengths!r}")
     names = parse_configs(args.configs)
@@ -74,9 +78,10 @@ def main(args: argparse.Namespace) -> int:
                     for n in kv_names for lw in LAYERWISE[args.layerwise]]
         baselines = {n: factory.build(n) for n in BASELINES}
         with progress(len(lengths) * (2 + len(variants)), "ttft") as advance:
-            base = tm.measure_baselines(model, args.device, prompts, args.partial, max_len, baselines, advance)
+            base = tm.measure_baselines(model, args.device, prompts, args.partial, max_len, baselines, advance,
+                                        args.repeat)
             rows = {v.label: tm.measure_variant(model, args.device, v, prompts, args.partial, args.chunk_size,
-                                                max_len, advance) for v in variants}
+                                                max_len, advance, args.repeat) for v in variants}
     bandwidth = tm.memcpy_bandwidth(max(lengths) * per_token)
     record = build_record(args, facts, lengths, bandwidth, base, variants, rows)
     report(record)

@@ -13,7 +13,9 @@ through the CPU tier, promotion included), and the NVMe files dropped from the O
 from __future__ import annotations
 
 import random
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,19 +26,36 @@ WARMUP_TOKENS = 64
 
 @dataclass(frozen=True, slots=True)
 class Prompts:
-    """The prompts of one prefix length ``n`` (see the module docstring)."""
+    """The prompts of one prefix length ``n`` (see the module docstring); ``k`` picks one of
+    several variants for repeated measurements (each variant is new to every cache)."""
 
     n: int
     full: list[int]
-    partial: list[int]
+    suffix: int
+    vocab: int
+
+    def partial(self, k: int = 0) -> list[int]:
+        """``full``'s first n/2 tokens, then fresh tokens up to ``full``'s length."""
+        rest = random.Random(f"partial-{self.n}-{k}")
+        return self.full[: self.n // 2] + [rest.randrange(3, self.vocab) for _ in range(len(self.full) - self.n // 2)]
+
+    def sibling(self, k: int = 0) -> list[int]:
+        """``full``'s first n tokens and another suffix: an engine prefix-cache hit on it
+        computes exactly the tokens a kvlayer hit on ``full`` computes (a hit on ``full``
+        itself would reuse its suffix's full blocks too)."""
+        other = random.Random(f"sibling-{self.n}-{k}")
+        return self.full[: self.n] + [other.randrange(3, self.vocab) for _ in range(self.suffix)]
 
 
 def make_prompts(n: int, suffix: int, vocab: int) -> Prompts:
     rng = random.Random(n)
-    full = [rng.randrange(3, vocab) for _ in range(n + suffix)]
-    half = n // 2
-    rest = random.Random(f"partial-{n}")
-    return Prompts(n, full, full[:half] + [rest.randrange(3, vocab) for _ in range(n - half + suffix)])
+    return Prompts(n, [rng.randrange(3, vocab) for _ in range(n + suffix)], suffix, vocab)
+
+
+def median_of(repeat: int, measure: Callable[[int], float | None]) -> float | None:
+    """The median of ``measure(k)`` for k in ``range(repeat)`` (None if any is None)."""
+    values = [measure(k) for k in range(repeat)]
+    return None if any(v is None for v in values) else statistics.median(values)  # type: ignore[type-var]
 
 
 def ttft(llm: Any, prompt: list[int]) -> float:
@@ -89,22 +108,23 @@ def pure_load(llm: Any, tokens: list[int]) -> float | None:
 
 
 def measure_baselines(model: str, device: str, prompts: list[Prompts], partial: bool, max_len: int,
-                      configs: dict[str, BenchConfig], advance: Any) -> dict[int, dict[str, Any]]:
-    """Per prefix length: ``cold_s`` (recompute) and ``suffix_s`` (an engine prefix-cache hit: the
-    suffix computed alone), and with ``partial`` the same two for ``partial(n)``."""
+                      configs: dict[str, BenchConfig], advance: Any, repeat: int = 1) -> dict[int, dict[str, Any]]:
+    """Per prefix length: ``cold_s`` (recompute) and ``suffix_s`` (an engine prefix-cache hit on
+    ``sibling``: the n-token prefix reused, the suffix computed alone; median of ``repeat``),
+    and with ``partial`` the same two for ``partial(n)``."""
     out: dict[int, dict[str, Any]] = {p.n: {} for p in prompts}
     with open_llm(model, device, configs["recompute"], max_len) as llm:
         for p in prompts:
             out[p.n]["cold_s"] = ttft(llm, p.full)
             if partial:
-                out[p.n]["partial_cold_s"] = ttft(llm, p.partial)
+                out[p.n]["partial_cold_s"] = ttft(llm, p.partial())
             advance(1)
     with open_llm(model, device, configs["engine"], max_len) as llm:
         for p in prompts:
             out[p.n]["engine_miss_s"] = ttft(llm, p.full)
-            out[p.n]["suffix_s"] = ttft(llm, p.full)
+            out[p.n]["suffix_s"] = median_of(repeat, lambda k, p=p: ttft(llm, p.sibling(k)))
             if partial:
-                out[p.n]["partial_engine_s"] = ttft(llm, p.partial)
+                out[p.n]["partial_engine_s"] = median_of(repeat, lambda k, p=p: ttft(llm, p.partial(k)))
             advance(1)
     return out
 
@@ -119,25 +139,42 @@ def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[
 
 
 def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[Prompts], partial: bool,
-                    chunk: int, max_len: int, advance: Any) -> list[dict[str, Any]]:
+                    chunk: int, max_len: int, advance: Any, repeat: int = 1) -> list[dict[str, Any]]:
     """Per prefix length under one kvlayer configuration: the first (all-miss) request, the hit,
-    the pure load of the cached prefix and, with ``partial``, the half-cached prompt's hit and load."""
+    the pure load of the cached prefix and, with ``partial``, the half-cached prompt's hit and
+    load; hits and loads are medians of ``repeat`` (partial hits on new variants each time)."""
     rows = []
     with open_llm(model, device, config, max_len) as llm:
         for p in prompts:
-            cached = p.n // chunk * chunk
-            row: dict[str, Any] = {"prefix": p.n, "cached": cached, "miss_s": ttft(llm, p.full)}
-            row["hit_s"], row["hit_tiers"] = _hit(llm, config, p.full)
-            isolate(llm, config)
-            row["load_s"] = pure_load(llm, p.full[:cached])
-            if partial:
-                row["partial_cached"] = p.n // 2 // chunk * chunk
-                row["partial_hit_s"], row["partial_tiers"] = _hit(llm, config, p.partial)
-                isolate(llm, config)
-                row["partial_load_s"] = pure_load(llm, p.partial[: row["partial_cached"]])
-            rows.append(row)
+            rows.append(_measure_length(llm, config, p, chunk, partial, repeat))
             advance(1)
     return rows
+
+
+def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, partial: bool,
+                    repeat: int) -> dict[str, Any]:
+    """``measure_variant``'s row for one prefix length."""
+    tiers: dict[str, dict[str, int]] = {}
+
+    def hit(prompt: list[int], case: str) -> float:
+        t, tiers[case] = _hit(llm, config, prompt)
+        return t
+
+    def load(tokens: list[int]) -> float | None:
+        isolate(llm, config)
+        return pure_load(llm, tokens)
+
+    cached = p.n // chunk * chunk
+    row: dict[str, Any] = {"prefix": p.n, "cached": cached, "miss_s": ttft(llm, p.full)}
+    row["hit_s"] = median_of(repeat, lambda _k: hit(p.full, "full"))
+    row["hit_tiers"] = tiers["full"]
+    row["load_s"] = median_of(repeat, lambda _k: load(p.full[:cached]))
+    if partial:
+        half = row["partial_cached"] = p.n // 2 // chunk * chunk
+        row["partial_hit_s"] = median_of(repeat, lambda k: hit(p.partial(k), "partial"))
+        row["partial_tiers"] = tiers["partial"]
+        row["partial_load_s"] = median_of(repeat, lambda _k: load(p.partial()[:half]))
+    return row
 
 
 def memcpy_bandwidth(nbytes: int) -> float:

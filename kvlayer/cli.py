@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "tiers", "tiers", "get/put throughput of each tier vs its raw ceiling", home)
     _add_bench(bench, "multi-round-qa", "multi_round_qa", "chat users over a working set > the engine's KV", home)
     _add_bench(bench, "long-doc-qa", "long_doc_qa", "documents queried again, hits from the lower tiers", home)
+    _add_bench(bench, "miss-overhead", "miss_overhead", "kvlayer's TTFT overhead when nothing ever hits", home)
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
     return p
 
@@ -102,6 +103,7 @@ SMOKE: dict[str, list[str]] = {
     "long-doc-qa": ["--docs", "3", "--doc-tokens", "256", "--queries", "2", "--question-tokens", "8",
                     "--answer-tokens", "2", "--chunk-size", "64"],
     "engine": ["--lengths", "64", "--decode-seqs", "2", "--decode-prompt", "32", "--decode-tokens", "4"],
+    "miss-overhead": ["--length", "64", "--rounds", "2", "--chunk-size", "32"],
 }
 """Flags appended to ``kvlayer bench <name>`` when ``KVLAYER_SMOKE=1`` (with a ``tiny`` model unless
 ``--model`` is given): the documented commands, run by the docs test at a size CI affords."""

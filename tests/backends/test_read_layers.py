@@ -22,7 +22,8 @@ from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
 from kvlayer.storage import BackendContext, StorageBackend
-from tests.fakes import chunk_data, make_chunk, make_keys, namespace
+from tests.backends.test_nvme import put_keys
+from tests.fakes import chunk_data, make_keys, namespace
 from tests.redis_server import RedisServer
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, block_size=4)
@@ -63,13 +64,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
 
 
 async def put(backend: StorageBackend, keys: list[ChunkKey]) -> None:
-    source = Arena(len(keys) * CHUNK_BYTES, CHUNK_BYTES)
-    chunks = [make_chunk(source, k, LAYOUT) for k in keys]
-    try:
-        await backend.put_many(keys, chunks)
-    finally:
-        for c in chunks:
-            c.release()
+    await put_keys(backend, keys, LAYOUT)  # type: ignore[arg-type]  # any backend will do
 
 
 def outs_for(keys: list[ChunkKey]) -> tuple[Arena, list[MemoryObj]]:

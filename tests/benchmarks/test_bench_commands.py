@@ -129,3 +129,20 @@ def test_help_lists_the_comparison_options(command, capsys):
         main(["bench", command, "--help"])
     text = capsys.readouterr().out
     assert "--configs" in text and "--plot" in text and "--json" in text
+
+
+def test_miss_overhead_pairs_every_config_with_the_shared_baseline_and_never_hits(tiny_model_dir, tmp_path):
+    out = tmp_path / "out.json"  # no --plot: this bench draws no figure
+    assert main(["bench", "miss-overhead", "--model", tiny_model_dir, "--configs", "cpu,nvme", "--length", "64",
+                 "--rounds", "2", "--chunk-size", "32", "--home", str(tmp_path / "home"), "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    _check_record(rec, tiny_model_dir)
+    assert list(rec["configs"]) == ["cpu", "nvme"]
+    for name, r in rec["configs"].items():
+        assert r["median_off_s"] > 0 and r["median_on_s"] > 0, name
+        assert [(p["round"], p["order"]) for p in r["pairs"]] == [(0, "off,on"), (1, "on,off")]
+        assert r["overhead_pct"] == pytest.approx((r["median_on_s"] / r["median_off_s"] - 1) * 100)
+        assert r["pair_min_pct"] <= r["pair_max_pct"]
+        assert r["goal_met"] is (r["overhead_pct"] <= rec["goal_pct"])
+        assert r["put_chunks"][name] == 2 * 64 // 32, name  # two requests, two chunks each
+        assert set(r["hit_tokens"].values()) == {0}, name

@@ -230,3 +230,17 @@ def test_real_clock_sleeps_until_an_arrival():
     clock = RealClock()
     clock.wait_until(0.05)
     assert clock.now() >= 0.05
+
+
+def test_ttft_prompts_share_exactly_what_each_case_reuses() -> None:
+    from kvlayer.benchmarks.ttft_measure import make_prompts, median_of
+
+    p = make_prompts(64, 8, 1000)
+    assert len(p.full) == len(p.partial()) == len(p.sibling()) == 72
+    assert p.sibling()[:64] == p.full[:64] and p.sibling()[64:] != p.full[64:]
+    assert p.partial()[:32] == p.full[:32] and p.partial()[32:] != p.full[32:]
+    assert p.partial(1)[:32] == p.full[:32] and p.partial(1)[32:] != p.partial(0)[32:], "each variant new"
+    assert p.sibling(1)[64:] != p.sibling(0)[64:]
+    assert make_prompts(64, 8, 1000).partial() == p.partial(), "the same prompts in every run"
+    assert median_of(3, lambda k: [3.0, 1.0, 2.0][k]) == 2.0
+    assert median_of(2, lambda k: None if k else 1.0) is None
