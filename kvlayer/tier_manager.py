@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from kvlayer import tier_admin
 from kvlayer.config import KVLayerConfig
 from kvlayer.health import Clock, LogThrottle
 from kvlayer.io_loop import IOLoop
@@ -41,6 +42,7 @@ from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.storage import StorageBackend
 from kvlayer.streaming import LayerGroups, LayerStream
+from kvlayer.tier_admin import get_many_checked
 from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier, TierFailure
 
 log = logging.getLogger(__name__)
@@ -289,7 +291,7 @@ class TierManager:
                 if not missing or not tier.usable():
                     continue
                 try:
-                    got = await tier.call("get_many", _get_many(tier.backend, [keys[j] for j in missing]))
+                    got = await tier.call("get_many", get_many_checked(tier.backend, [keys[j] for j in missing]))
                 except TierFailure:
                     continue
                 for j, obj in zip(missing, got):
@@ -426,7 +428,7 @@ class TierManager:
         self._check_open()
         tiers = self._select(tier)
         try:
-            return self._loop.run(self._snapshot(tiers, timeout), 2 * timeout)
+            return self._loop.run(tier_admin.list_chunks(tiers, timeout), 2 * timeout)
         except TimeoutError:
             log.warning("kvlayer: listing the tiers' chunks did not finish within %.1f s", 2 * timeout)
             return {}
@@ -443,7 +445,10 @@ class TierManager:
         sources = self._select(src) if src is not None else [t for t in self._tiers if t is not target]
         if target in sources:
             raise ValueError(f"cannot copy tier {dst!r} into itself")
-        return self._run(self._copy(keys, sources, target), "copy", 0) if keys else 0
+        if not keys:
+            return 0
+        return self._run(tier_admin.copy_prefix(keys, sources, target, partial(self._put, skip_present=True)),
+                         "copy", 0)
 
     def remove_all(self, tier: str | None = None) -> int:
         """Remove every unpinned chunk ``snapshot`` lists in ``tier`` (every tier if None);
@@ -456,55 +461,6 @@ class TierManager:
                 removed += self.remove([ChunkKey(d, b"", 0, 0) for d in digests[i : i + self.REMOVE_BATCH]], name)
         return removed
 
-    async def _snapshot(self, tiers: list[GuardedTier], timeout: float) -> dict[str, list[bytes]]:
-        async def listing(t: GuardedTier) -> list[bytes]:
-            if t.in_memory:
-                return list(t.backend.keys())
-            return list(await asyncio.wait_for(asyncio.to_thread(t.backend.keys), timeout))
-
-        answers = await asyncio.gather(*(listing(t) for t in tiers), return_exceptions=True)
-        out = {}
-        for t, answer in zip(tiers, answers):
-            if isinstance(answer, BaseException):
-                log.warning("kvlayer tier %s: listing its chunks failed: %r", t.name, answer)
-                answer = []
-            out[t.name] = answer
-        return out
-
-    async def _copy(self, keys: list[ChunkKey], sources: list[GuardedTier], target: GuardedTier) -> int:
-        objs = await self._read_prefix(keys, sources)
-        try:
-            if objs:
-                await self._put(target, keys[: len(objs)], objs, skip_present=True)
-        finally:
-            _release(objs)
-        try:
-            return int(await target.call("contains_prefix", target.backend.contains_prefix(keys)))
-        except TierFailure:
-            return 0
-
-    async def _read_prefix(self, keys: list[ChunkKey], sources: list[GuardedTier]) -> list[MemoryObj]:
-        """The chunks of the longest prefix one of ``sources`` holds (a reference each, the caller's)."""
-        best, n = None, 0
-        for t in sources:
-            if not t.usable():
-                continue
-            try:
-                count = await t.call("contains_prefix", t.backend.contains_prefix(keys))
-            except TierFailure:
-                continue
-            if count > n:
-                best, n = t, min(int(count), len(keys))
-        if best is None:
-            return []
-        try:
-            got = await best.call("get_many", _get_many(best.backend, keys[:n]))
-        except TierFailure:
-            return []
-        lead = got.index(None) if None in got else len(got)
-        _release([obj for obj in got[lead:] if obj is not None])
-        return [obj for obj in got[:lead] if obj is not None]
-
 
 async def _value(value: T) -> T:
     return value
@@ -513,12 +469,3 @@ async def _value(value: T) -> T:
 def _release_found(found: Sequence[_Found]) -> None:
     for objs, _ in found:
         _release(objs)
-
-
-async def _get_many(backend: StorageBackend, keys: list[ChunkKey]) -> list[MemoryObj | None]:
-    """``backend.get_many`` with its answer checked (a wrong length is the backend's error)."""
-    got = await backend.get_many(keys)
-    if len(got) != len(keys):
-        _release([obj for obj in got if obj is not None])
-        raise ValueError(f"get_many returned {len(got)} results for {len(keys)} keys")
-    return got
