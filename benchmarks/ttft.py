@@ -7,8 +7,9 @@ For each prefix length n (the prompt is n cached tokens + ``--suffix`` new ones)
 - each kvlayer configuration (engine prefix cache off, so the prefix comes from kvlayer): the
   first request (an all-miss that computes and stores: kvlayer's overhead on misses), the hit
   with the chunks only in the measured tier (see ``ttft_measure``), the pure load time of the
-  prefix (no compute), and the *floor*: KV bytes over this run's memcpy bandwidth plus the
-  suffix's compute time;
+  prefix (no compute), and the *floor*: KV bytes over the raw ceiling of the configuration's
+  tier measured in this run (memcpy for cpu, cold sequential file reads for nvme, pipelined
+  redis-py GETs for redis) plus the suffix's compute time;
 - ``--partial``: a prompt of the same length with only its first half cached;
 - ``--layerwise both``: every kvlayer configuration with and without layer-by-layer loading,
   and the overlap ratio: layerwise TTFT / max(pure load, suffix compute) (1.0 = perfect
@@ -82,31 +83,37 @@ def main(args: argparse.Namespace) -> int:
                                         args.repeat)
             rows = {v.label: tm.measure_variant(model, args.device, v, prompts, args.partial, args.chunk_size,
                                                 max_len, advance, args.repeat) for v in variants}
-    bandwidth = tm.memcpy_bandwidth(max(lengths) * per_token)
-    record = build_record(args, facts, lengths, bandwidth, base, variants, rows)
+        ceilings = tm.tier_ceilings(kv_names, factory.root, factory.redis_url, max(lengths) * per_token,
+                                    args.chunk_size * per_token)
+    record = build_record(args, facts, lengths, ceilings, base, variants, rows)
     report(record)
     write_json(args.json, record)
     plot(args.plot, record)
     return 0
 
 
-def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[int], bandwidth: float,
+def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[int], ceilings: dict[str, float],
                  base: dict[int, dict[str, Any]], variants: list[BenchConfig],
                  rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The JSON record: baselines and floors per length, per variant its rows and crossover,
-    and the layerwise overlap when both modes ran."""
+    and the layerwise overlap when both modes ran. A row's floor is its bytes over the raw
+    ceiling of its tier (``ttft_measure.CEILING_OF``; memcpy when that one was not measured)
+    plus the suffix's compute; the baseline's floor uses memcpy."""
     per_token = facts["kv_bytes_per_token"]
+    bandwidth = ceilings["memcpy"]
     for n, b in base.items():
         cached = n // args.chunk_size * args.chunk_size
         b["kv_bytes"] = cached * per_token
         b["floor_s"] = cached * per_token / bandwidth + b["suffix_s"]
     out_variants = {}
     for v in variants:
+        ceiling = ceilings.get(tm.CEILING_OF.get(v.name, "memcpy"), bandwidth)
         for r in rows[v.label]:
             b = base[r["prefix"]]
             r["speedup"] = ratio(b["cold_s"], r["hit_s"])
             r["miss_overhead"] = r["miss_s"] / b["cold_s"] - 1
-            r["hit_over_floor"] = ratio(r["hit_s"], b["floor_s"])
+            r["floor_s"] = r["cached"] * per_token / ceiling + b["suffix_s"]
+            r["hit_over_floor"] = ratio(r["hit_s"], r["floor_s"])
             if "partial_hit_s" in r:
                 r["partial_speedup"] = ratio(b["partial_cold_s"], r["partial_hit_s"])
         cross = crossover(lengths, [base[n]["cold_s"] for n in lengths], [r["hit_s"] for r in rows[v.label]])
@@ -114,7 +121,8 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
                                  "kv_config": v.public_kv_config(), "by_length": rows[v.label],
                                  "crossover": {"length": cross.length, "kind": cross.kind, "text": cross.text()}}
     return {"bench": "ttft", "machine": machine_info(args.device), "model": facts,
-            "settings": settings_of(args), "memcpy_gib_s": bandwidth / 2**30, "lengths": lengths,
+            "settings": settings_of(args), "memcpy_gib_s": bandwidth / 2**30,
+            "ceilings_gib_s": {k: v / 2**30 for k, v in ceilings.items()}, "lengths": lengths,
             "baselines": {str(n): b for n, b in base.items()}, "variants": out_variants,
             "layerwise": overlap(out_variants, base)}
 
@@ -158,7 +166,8 @@ def report(record: dict[str, Any]) -> None:
                          r["hit_over_floor"], _tiers(r["hit_tiers"])])
         rows.append([n, "floor", b["floor_s"], b["cold_s"] / b["floor_s"], None, None, None, "-"])
     m = record["model"]
-    print_table(f"bench ttft: {m['name']} ({m['layers']} layers), memcpy {record['memcpy_gib_s']:.1f} GiB/s",
+    ceilings = ", ".join(f"{k} {v:.2f}" for k, v in record["ceilings_gib_s"].items())
+    print_table(f"bench ttft: {m['name']} ({m['layers']} layers), raw ceilings GiB/s: {ceilings}",
                 ["prefix", "config", "TTFT s", "speedup", "miss +%", "load s", "hit/floor", "served by"], rows)
     if any("partial_cold_s" in b for b in record["baselines"].values()):
         prow = []

@@ -189,3 +189,26 @@ def memcpy_bandwidth(nbytes: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return src.numel() * 4 / best
+
+
+CEILING_OF = {"cpu": "memcpy", "nvme": "nvme_cold", "cpu+nvme": "nvme_cold", "redis": "redis_get"}
+"""The raw ceiling that bounds each configuration's load (``tier_ceilings``)."""
+
+
+def tier_ceilings(names: list[str], folder: str, redis_url: str | None, nbytes: int,
+                  chunk_bytes: int) -> dict[str, float]:
+    """Bytes/s of each raw ceiling the configurations ``names`` need (``CEILING_OF``), for
+    ``nbytes`` in ``chunk_bytes`` pieces: a torch copy, cold sequential file reads under
+    ``folder`` (left out where the page cache cannot be dropped), pipelined redis-py GETs."""
+    from kvlayer.benchmarks import tier_ceilings as raw
+
+    need = {CEILING_OF[n] for n in names if n in CEILING_OF}
+    count = max(1, nbytes // max(chunk_bytes, 1))
+    out = {"memcpy": memcpy_bandwidth(nbytes)}
+    if "nvme_cold" in need:
+        cold = raw.file_rates(folder, count, chunk_bytes, 3)["get_cold"]
+        if cold:
+            out["nvme_cold"] = cold * raw.GIB
+    if "redis_get" in need and redis_url:
+        out["redis_get"] = raw.redis_rates(redis_url, count, chunk_bytes, 3)["get"] * raw.GIB
+    return out

@@ -44,6 +44,8 @@ def test_ttft_measures_every_tier_both_loading_modes_and_partial_hits(tiny_model
     for b in rec["baselines"].values():
         assert b["cold_s"] > 0 and b["suffix_s"] > 0 and b["floor_s"] > 0
         assert b["partial_cold_s"] > 0 and b["partial_engine_s"] > 0
+    assert rec["ceilings_gib_s"]["memcpy"] > 0 and all(v > 0 for v in rec["ceilings_gib_s"].values())
+    assert ("redis_get" in rec["ceilings_gib_s"]) == HAVE_REDIS
     assert sorted(rec["variants"]) == sorted(f"{c} lw={m}" for c in KV_CONFIGS for m in ("on", "off"))
     for label, v in rec["variants"].items():
         tier = SERVED_BY[v["config"]]
@@ -51,6 +53,7 @@ def test_ttft_measures_every_tier_both_loading_modes_and_partial_hits(tiny_model
         assert v["crossover"]["kind"] in ("below", "between", "never")
         for row in v["by_length"]:
             assert row["miss_s"] > 0 and row["hit_s"] > 0 and row["speedup"] > 0
+            assert row["hit_over_floor"] == pytest.approx(row["hit_s"] / row["floor_s"])
             assert row["hit_tiers"] == {tier: row["cached"]}, label
             assert row["load_s"] is not None and row["load_s"] > 0
             assert row["partial_cached"] == row["prefix"] // 2
