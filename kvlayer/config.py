@@ -48,6 +48,8 @@ class KVLayerConfig:
     staging_capacity: int = 512 * 1024**2
     tier_timeout_ms: int = 2000
     unhealthy_after: int = 3
+    unhealthy_backoff_ms: int = 1000
+    unhealthy_backoff_max_ms: int = 30000
     controller_url: str | None = None
     controller_token: str | None = None
     instance_address: str = ""
@@ -70,6 +72,9 @@ class KVLayerConfig:
             raise ConfigError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
         if self.unhealthy_after <= 0:
             raise ConfigError(f"unhealthy_after must be positive, got {self.unhealthy_after}")
+        if not 0 < self.unhealthy_backoff_ms <= self.unhealthy_backoff_max_ms:
+            raise ConfigError("need 0 < unhealthy_backoff_ms <= unhealthy_backoff_max_ms, got "
+                              f"{self.unhealthy_backoff_ms} and {self.unhealthy_backoff_max_ms}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

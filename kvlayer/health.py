@@ -3,7 +3,8 @@
 ``TierHealth`` is a small state machine (ARCHITECTURE.md section 5, failures):
 
 - healthy: every call goes through; ``unhealthy_after`` consecutive failures make it unhealthy.
-- unhealthy: calls are skipped until the backoff expires (1 s, doubling up to 30 s); then
+- unhealthy: calls are skipped until the backoff expires (by default 1 s, doubling up to 30 s;
+  ``unhealthy_backoff_ms``/``unhealthy_backoff_max_ms`` in the config); then
   calls go through again as probes. A failed probe doubles the backoff; any success makes
   the tier healthy again and resets the backoff.
 

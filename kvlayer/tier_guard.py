@@ -34,14 +34,16 @@ class TierFailure(Exception):
 
 
 class GuardedTier:
-    """``backend`` with its health, metrics and log throttle; ``deadline_s`` bounds every call."""
+    """``backend`` with its health, metrics and log throttle; ``deadline_s`` bounds every call;
+    ``backoff_s`` is the unhealthy tier's first and longest wait before a probe."""
 
     def __init__(self, backend: StorageBackend, metrics: TierMetrics, deadline_s: float,
-                 unhealthy_after: int, clock: Clock = time.monotonic) -> None:
+                 unhealthy_after: int, clock: Clock = time.monotonic,
+                 backoff_s: tuple[float, float] = (1.0, 30.0)) -> None:
         self.backend = backend
         self.name = backend.name
         self.metrics = metrics
-        self.health = TierHealth(unhealthy_after, clock=clock)
+        self.health = TierHealth(unhealthy_after, *backoff_s, clock=clock)
         self._deadline = deadline_s
         self._throttle = LogThrottle(LOG_EVERY_S, clock=clock)
         self._lock = threading.Lock()

@@ -78,7 +78,8 @@ class TierManager:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be distinct, got {names}")
         deadline = config.tier_timeout_ms / 1000
-        self._tiers = [GuardedTier(b, metrics.tier(b.name), deadline, config.unhealthy_after, clock)
+        backoff = (config.unhealthy_backoff_ms / 1000, config.unhealthy_backoff_max_ms / 1000)
+        self._tiers = [GuardedTier(b, metrics.tier(b.name), deadline, config.unhealthy_after, clock, backoff)
                        for b in sorted(backends, key=lambda b: b.rank)]
         self._loop = loop
         self._metrics = metrics

@@ -82,3 +82,10 @@ def test_frozen_and_replace_returns_a_new_config() -> None:
     with pytest.raises(ConfigError, match="nope"):
         cfg.replace(nope=1)
     assert KVLayerConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_backoff_settings_are_checked() -> None:
+    assert KVLayerConfig(unhealthy_backoff_ms=50, unhealthy_backoff_max_ms=50).unhealthy_backoff_max_ms == 50
+    for bad in ({"unhealthy_backoff_ms": 0}, {"unhealthy_backoff_ms": 40_000}, {"unhealthy_backoff_max_ms": 10}):
+        with pytest.raises(ConfigError, match="unhealthy_backoff"):
+            KVLayerConfig(**bad)

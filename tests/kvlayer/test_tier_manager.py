@@ -77,10 +77,12 @@ def make(loop):
     made: list[TierManager] = []
 
     def build(gpu: int = 4, cpu: int = 8, fake: dict | None = None, clock=time.monotonic,
-              unhealthy_after: int = 3, timeout_ms: int = DEADLINE_MS) -> Setup:
+              unhealthy_after: int = 3, timeout_ms: int = DEADLINE_MS, backoff_ms: tuple[int, int] = (1000, 30000),
+              ) -> Setup:
         stage = staging(64)
         ctx = context(stage, gpu_capacity=gpu * CHUNK_BYTES, cpu_capacity=cpu * CHUNK_BYTES,
-                      tier_timeout_ms=timeout_ms, unhealthy_after=unhealthy_after)
+                      tier_timeout_ms=timeout_ms, unhealthy_after=unhealthy_after,
+                      unhealthy_backoff_ms=backoff_ms[0], unhealthy_backoff_max_ms=backoff_ms[1])
         backends = build_backends(ctx)
         if fake is not None:
             backends.append(FakeBackend(stage, **fake))
@@ -270,6 +272,19 @@ def test_unhealthy_tier_is_skipped_then_probed_with_backoff_and_recovers(make) -
     assert s.mgr.lookup(keys).num_chunks == 2  # the probe succeeds
     assert s.mgr.stats()["tiers"]["fake"]["health"]["healthy"]
     assert s.mgr.lookup(keys).num_chunks == 2
+
+
+def test_the_backoff_is_configurable(make) -> None:
+    clock = FakeClock()
+    s = make(fake={"fault": "raise"}, clock=clock, unhealthy_after=1, backoff_ms=(200, 300))
+    fake = s.tiers["fake"]
+    keys = make_keys(1)
+    s.mgr.lookup(keys)  # fails: unhealthy, first probe after 0.2 s
+    for step, probes in [(0.1, 1), (0.1, 2), (0.2, 2), (0.1, 3), (0.3, 4), (0.3, 5)]:  # 0.2, 0.3 (capped), 0.3
+        clock.now += step
+        s.mgr.lookup(keys)
+        assert fake.calls["contains_prefix"] == probes, (step, probes)
+    assert s.mgr.stats()["tiers"]["fake"]["health"]["backoff_s"] == pytest.approx(0.3)
 
 
 def test_pin_unpin_remove(make) -> None:
