@@ -20,7 +20,7 @@ and may be called from any thread; ``keys()`` must be called on the I/O loop.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -32,6 +32,8 @@ from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
 from kvlayer.storage import BackendContext, StorageBackend
 
+AGING = 8
+"""Ask counts are halved after this many asks per slot, so old popularity fades."""
 _POLL_S = 0.0002
 """How often a put polls its asynchronous device copies (the loop keeps running meanwhile)."""
 
@@ -55,7 +57,10 @@ class MemoryTier(StorageBackend):
         self._arena = arena
         self._layout = layout
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
-        self._counts = {"evictions": 0, "skipped_full": 0, "tokens_mismatches": 0}
+        self._counts = {"evictions": 0, "skipped_full": 0, "tokens_mismatches": 0, "promotions_declined": 0}
+        self._asked: Counter[bytes] = Counter()
+        """How often each digest was asked for (``get_many``), halved every ``AGING`` x slots asks."""
+        self._asks = 0
 
     @classmethod
     def arena_device(cls, ctx: BackendContext) -> torch.device:
@@ -94,6 +99,7 @@ class MemoryTier(StorageBackend):
         """
         out: list[MemoryObj | None] = []
         hits = []
+        self._count_asks(keys)
         for key in keys:
             entry = self._lookup(key)
             out.append(None if entry is None else entry.obj.ref())
@@ -109,6 +115,20 @@ class MemoryTier(StorageBackend):
         The chunks' data must be ready (producing kernels finished or ordered on the current
         stream). ``ValueError`` if lengths, shapes or dtypes do not match the layout.
         """
+        await self._put(keys, chunks, selective=False)
+
+    async def promote_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+        """``put_many`` for chunks read from a lower tier, with TinyLFU-style admission: a chunk
+        that needs an eviction is admitted only if it was asked for (``get_many``) more often
+        than the chunk it would evict, else declined (``stats()['promotions_declined']``).
+
+        Under LRU, requests cycling over more chunks than the tier holds would evict each
+        chunk just before it is asked for again (no hit ever); this keeps a stable part of the
+        cycle resident, and still lets a chunk asked for often displace a rarely asked one.
+        """
+        await self._put(keys, chunks, selective=True)
+
+    async def _put(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], selective: bool) -> None:
         self._check_batch(keys, chunks)
         batch = {key.digest for key in keys}
         fresh: list[tuple[ChunkKey, MemoryObj]] = []
@@ -118,9 +138,9 @@ class MemoryTier(StorageBackend):
             for key, chunk in zip(keys, chunks):
                 if key.digest in self._index:
                     continue
-                obj = self._allocate(chunk, batch, evicted)
+                obj = self._allocate(chunk, batch, evicted, key.digest if selective else None)
                 if obj is None:
-                    self._counts["skipped_full"] += 1
+                    self._counts["promotions_declined" if selective else "skipped_full"] += 1
                     continue
                 if _copy(obj, chunk):
                     devices.add(obj.tensor.device if obj.tensor.is_cuda else chunk.tensor.device)
@@ -197,18 +217,27 @@ class MemoryTier(StorageBackend):
         for key in sorted(keys, key=lambda k: k.start, reverse=True):
             self._index.move_to_end(key.digest)
 
-    def _allocate(self, chunk: MemoryObj, protect: set[bytes], evicted: list[bytes]) -> MemoryObj | None:
-        """A free slot for ``chunk``, evicting as needed; None if nothing can be evicted."""
+    def _allocate(self, chunk: MemoryObj, protect: set[bytes], evicted: list[bytes],
+                  candidate: bytes | None = None) -> MemoryObj | None:
+        """A free slot for ``chunk``, evicting as needed; None if nothing can be evicted, or
+        (given the ``candidate``'s digest) if it was asked for no more often than the victim."""
         while True:
             obj = self._arena.allocate(chunk.shape, chunk.dtype)
             if obj is not None:
                 return obj
             victim = self._victim(protect)
-            if victim is None:
+            if victim is None or (candidate is not None and self._asked[candidate] <= self._asked[victim]):
                 return None
             self._index.pop(victim).obj.release()
             self._counts["evictions"] += 1
             evicted.append(victim)
+
+    def _count_asks(self, keys: Sequence[ChunkKey]) -> None:
+        self._asked.update(k.digest for k in keys)
+        self._asks += len(keys)
+        if self._asks > AGING * max(1, self._arena.capacity_bytes // self._arena.slot_bytes):
+            self._asked = Counter({d: n // 2 for d, n in self._asked.items() if n > 1})
+            self._asks = 0
 
     def _victim(self, protect: set[bytes]) -> bytes | None:
         for digest, entry in self._index.items():

@@ -133,6 +133,11 @@ class StorageBackend(abc.ABC):
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store ``chunks[i]`` under ``keys[i]``; may evict unpinned chunks to make room."""
 
+    async def promote_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+        """Store chunks just read from a lower tier (the tier manager's promotions); ownership as
+        in ``put_many``. A tier may decline some (an admission policy); default: ``put_many``."""
+        await self.put_many(keys, chunks)
+
     @abc.abstractmethod
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Remove the keys that are present and unpinned; returns how many were removed."""

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 LOG_EVERY_S = 30.0
 _HISTOGRAM_OF = {"get_many": "get_seconds", "read_layers": "get_seconds", "put_many": "put_seconds"}
-_SYNCED_STATS = ("evictions", "checksum_errors")
+_SYNCED_STATS = ("evictions", "checksum_errors", "promotions_declined")
 """Backend ``stats()`` counters mirrored into the tier's metrics."""
 
 

@@ -306,14 +306,16 @@ class TierManager:
         return found, source
 
     async def _put(self, tier: GuardedTier, keys: list[ChunkKey], chunks: list[MemoryObj], skip_present: bool,
-                   counter: str | None = None) -> None:
-        """Put into one tier (after its leading present keys if ``skip_present``); failures are misses."""
+                   counter: str | None = None, promote: bool = False) -> None:
+        """Put into one tier (after its leading present keys if ``skip_present``; through its
+        admission policy if ``promote``); failures are misses."""
         if not tier.usable():
             return
         try:
             n = await tier.call("contains_prefix", tier.backend.contains_prefix(keys)) if skip_present else 0
             if n < len(keys):
-                await tier.call("put_many", tier.backend.put_many(keys[n:], chunks[n:]))
+                put = tier.backend.promote_many if promote else tier.backend.put_many
+                await tier.call("put_many", put(keys[n:], chunks[n:]))
         except TierFailure:
             return
         tier.metrics.inc("put_chunks", len(keys) - n)
@@ -326,7 +328,7 @@ class TierManager:
         await asyncio.gather(*(self._put(t, keys, chunks, skip_present=True) for t in tiers))
 
     async def _promote_into(self, plan: _Plan) -> None:
-        await asyncio.gather(*(self._put(t, k, c, False, "promotions") for t, k, c in plan))
+        await asyncio.gather(*(self._put(t, k, c, False, "promotions", promote=True) for t, k, c in plan))
 
     async def _broadcast_async(self, tiers: list[GuardedTier], keys: list[ChunkKey], what: str,
                                pick: _KeysOp) -> int:

@@ -296,3 +296,43 @@ def test_cuda_round_trip_through_pinned_cpu_and_gpu(run: Run, src) -> None:
         assert d.tensor.is_cuda and torch.equal(h.tensor, chunk_data(key))
         d.release()
         h.release()
+
+
+def _ask_and_promote(run: Run, tier: MemoryTier, src, key: ChunkKey) -> bool:
+    """One request for ``key`` as the tier manager makes it: ask the tier, and on a miss
+    promote the chunk (as if read from a lower tier). Whether the tier served it."""
+    got = run(tier.get_many([key]))[0]
+    if got is not None:
+        got.release()
+        return True
+    chunk = make_chunk(src, key)
+    run(tier.promote_many([key], [chunk]))
+    chunk.release()
+    return False
+
+
+def test_promotions_keep_part_of_a_cycle_resident(run: Run, make_tier, src) -> None:
+    """Requests cycling over 8 chunks through a 4-chunk tier: plain LRU (put_many) would never
+    hit; admission keeps the first 4 and declines the rest, so half the requests hit."""
+    tier = make_tier(4)
+    keys = make_keys(8, seed=3)
+    served = [_ask_and_promote(run, tier, src, k) for _ in range(3) for k in keys]
+    assert served[:8] == [False] * 8
+    assert served[8:] == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 4
+    assert tier.stats()["promotions_declined"] == 12 and tier.stats()["evictions"] == 0
+    check_index_refs(tier)
+
+
+def test_a_popular_chunk_displaces_a_rare_one_and_stores_always_land(run: Run, make_tier, src) -> None:
+    tier = make_tier(2)
+    cold, hot, new = make_keys(2, seed=4), make_keys(1, seed=5)[0], make_keys(1, seed=6)[0]
+    for k in cold:
+        _ask_and_promote(run, tier, src, k)  # asked once each: they fill the tier
+    assert present(run, tier, cold) == [True, True]
+    assert not _ask_and_promote(run, tier, src, hot)  # asked once: no more than the victim, declined
+    assert not present(run, tier, [hot])[0]
+    assert not _ask_and_promote(run, tier, src, hot)  # asked twice: displaces the least recent cold one
+    assert present(run, tier, [hot, cold[1], cold[0]]) == [True, True, False]
+    put(run, tier, src, [new])  # a store is admitted whatever the counts
+    assert present(run, tier, [new])[0]
+    check_index_refs(tier)
