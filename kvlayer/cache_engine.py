@@ -62,6 +62,7 @@ class KVCacheEngine:
         self.loop = IOLoop()
         self.metrics = Metrics(self.instance_id)
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
+        self._groups = layer_groups(layout.num_layers, chunk_bytes // layout.num_layers)
         self.tiers.warm_up()
         self._exposed = bool(self.config.metrics_port) and expose(
             self.metrics, self.config.metrics_host, self.config.metrics_port)
@@ -138,18 +139,11 @@ class KVCacheEngine:
         finally:
             _release(chunks)
 
-    def fetch(self, requests: Sequence[Sequence[ChunkKey]]) -> list[list[MemoryObj]]:
-        """The chunks of the longest held prefix of each key list, read from all tiers at once
-        (``TierManager.retrieve_many``); the caller owns one reference to each and releases it."""
-        return self.tiers.retrieve_many(requests)
-
     def fetch_layers(self, requests: Sequence[Sequence[ChunkKey]]) -> LayerStream:
-        """Like ``fetch``, but the chunks read from lower tiers arrive layer group by layer group
-        (``kvlayer.streaming``): the caller follows the ``LayerStream`` contract and passes
-        ``self.tiers.promote`` to its ``finish``."""
-        layer_bytes = self.layout.chunk_bytes(self.config.chunk_size) // self.layout.num_layers
-        groups = layer_groups(self.layout.num_layers, layer_bytes)
-        return self.tiers.stream_many(requests, groups, self._allocate)
+        """The chunks of the longest held prefix of each key list, read from all tiers at once;
+        those of lower tiers arrive layer group by layer group (``kvlayer.streaming``). The
+        caller follows the ``LayerStream`` contract (``wait_layer``, ``finish``, ``release``)."""
+        return self.tiers.stream_many(requests, self._groups, self._allocate)
 
     def _allocate(self, key: ChunkKey) -> MemoryObj | None:
         obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)

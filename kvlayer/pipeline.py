@@ -120,7 +120,7 @@ class LoadJob:
                     if self._events:
                         self._events[layer].record(self._stream)
                     self._ready[layer].set()
-            counts = stream.finish(self._engine.tiers.promote)
+            counts = stream.finish()
             for item, keys, n in zip(self._items, wanted, counts, strict=True):
                 self._valid[item.request_id] = min(keys[n - 1].end, item.end) if n else item.start
         except Exception:  # a bug below must cost a recompute, never the engine

@@ -7,8 +7,8 @@ A chunk is ``[layers, 2, tokens, kv_heads, head_dim]``, layer-major: the bytes o
 (``contains_prefix``), allocates a staging chunk for each and starts one
 ``StorageBackend.read_layers`` per lower tier, which fills them group by group of layers
 (``layer_groups``) for all chunks at once. The caller (a loader thread) calls
-``wait_layer(i)`` before copying layer i out, ``finish()`` for the verified prefixes, and
-``release()`` once its copies are done.
+``wait_layer(i)`` before copying layer i out, ``finish()`` for the verified prefixes (which
+also promotes them), and ``release()`` once its copies are done.
 
 Verification comes last: a lower tier checks a chunk's checksum once all its bytes arrived,
 so early layers are used before their chunk is verified. A chunk that then fails ends the
@@ -72,7 +72,7 @@ class LayerStream:
     """
 
     def __init__(self, requests: Sequence[Sequence[ChunkKey]], groups: LayerGroups, loop: IOLoop | None,
-                 timeout: float) -> None:
+                 timeout: float, promote: Promote | None = None) -> None:
         self.keys = [list(keys) for keys in requests]
         self.groups = list(groups)
         self.objs: list[list[MemoryObj]] = [[] for _ in self.keys]
@@ -83,6 +83,7 @@ class LayerStream:
         """``id(obj)`` of a lower-tier candidate -> its read and position there."""
         self._loop = loop
         self._timeout = timeout
+        self._promote = promote
         self._group_of = [g for g, (lo, hi) in enumerate(self.groups) for _ in range(lo, hi)]
         self._done = [threading.Event() for _ in self.groups]
         self._released = False
@@ -101,11 +102,12 @@ class LayerStream:
         holding garbage."""
         return self._done[self._group_of[layer]].wait(self._timeout if timeout is None else timeout)
 
-    def finish(self, promote: Promote | None = None) -> list[int]:
+    def finish(self) -> list[int]:
         """Wait for the reads; per request, how many leading candidates are verified.
 
-        Counts each tier's hits, and hands the verified lower-tier chunks to ``promote``. A
-        read still running after the timeout counts as failed.
+        Counts each tier's hits, and hands the verified chunks to the stream's ``promote``
+        (which copies those of lower tiers up). A read still running after the timeout counts
+        as failed.
         """
         pending = [r.task for r in self._reads if r.task is not None]
         if pending and self._loop is not None:
@@ -121,8 +123,8 @@ class LayerStream:
             counts.append(n)
             for key, src in zip(keys[:n], sources[:n]):  # tokens served, credited to their tier
                 self._tiers[src].metrics.inc("hit_tokens", key.num_tokens)
-            if promote is not None and n:
-                promote(keys[:n], objs[:n], sources[:n])
+            if self._promote is not None and n:
+                self._promote(keys[:n], objs[:n], sources[:n])
         for r in self._reads:
             hits = [i for i, ok in enumerate(r.ok or ()) if ok]
             r.tier.metrics.inc("get_chunks", len(hits))

@@ -112,27 +112,18 @@ class TierManager:
         return self._run(self._lookup_all(lists, record), "lookup", miss)
 
     def retrieve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        """The chunks of the longest prefix of ``keys`` the tiers hold, in order.
+        """The chunks of the longest prefix of ``keys`` the tiers hold, in order, read whole.
 
         Each returned object carries one reference owned by the caller, who releases it. The
         objects may live on different devices (the tier's own memory, or staging memory).
+        Chunks from lower tiers are promoted into the tiers above in the background.
         """
-        return self.retrieve_many([keys])[0]
-
-    def retrieve_many(self, requests: Sequence[Sequence[ChunkKey]]) -> list[list[MemoryObj]]:
-        """``retrieve`` for several key lists at once: every tier read runs concurrently.
-
-        May be called from any thread but the I/O loop's (e.g. a loader thread). Answers one
-        list per request, in order; ownership as in ``retrieve``.
-        """
-        lists = [list(keys) for keys in requests]
-        if not any(lists):
-            return [[] for _ in lists]
-        miss: list[_Found] = [([], []) for _ in lists]
-        found = self._run(self._retrieve_all(lists), "retrieve", miss, _release_found)
-        for keys, (objs, sources) in zip(lists, found):
-            self._promote(keys, objs, sources)
-        return [objs for objs, _ in found]
+        keys = list(keys)
+        if not keys:
+            return []
+        objs, sources = self._run(self._retrieve(keys), "retrieve", ([], []), _release_found)
+        self._promote(keys, objs, sources)
+        return objs
 
     def stream_many(self, requests: Sequence[Sequence[ChunkKey]], groups: LayerGroups,
                     allocate: Callable[[ChunkKey], MemoryObj | None]) -> LayerStream:
@@ -140,21 +131,17 @@ class TierManager:
         chunks at once, the lower tiers' read into ``allocate``d chunks by layer ``groups``.
 
         Call from a thread other than the I/O loop's; the caller then follows the
-        ``LayerStream`` contract (``wait_layer``, ``finish(promote)``, ``release``). A failure
+        ``LayerStream`` contract (``wait_layer``, ``finish``, ``release``); ``finish`` promotes
+        the verified lower-tier chunks into the tiers above theirs. A failure
         or timeout while opening is an empty stream (every request a miss), never an exception.
         """
         self._check_open()
         lists = [list(keys) for keys in requests]
         if not any(lists):
             return LayerStream.empty(lists, groups)
-        stream = LayerStream(lists, groups, self._loop, self._op_timeout)
+        stream = LayerStream(lists, groups, self._loop, self._op_timeout, self._promote)
         opened = stream.open(self._tiers, self._collect, allocate)
         return self._run(opened, "load", LayerStream.empty(lists, groups), LayerStream.release)
-
-    def promote(self, keys: list[ChunkKey], objs: list[MemoryObj], sources: list[int]) -> None:
-        """Copy chunks read from lower tiers (``sources[i]`` is the index of ``objs[i]``'s tier)
-        into every tier above theirs, in the background; the caller keeps its references."""
-        self._promote(keys, objs, sources)
 
     def store(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store ``chunks[i]`` under ``keys[i]`` in every tier; returns once the top memory tier has them.
@@ -263,14 +250,6 @@ class TierManager:
                 if not isinstance(answer, BaseException):
                     counts[t] = max(0, min(int(answer), len(rest)))
         return counts
-
-    async def _retrieve_all(self, lists: list[list[ChunkKey]]) -> list[_Found]:
-        answers = await asyncio.gather(*(self._retrieve(keys) for keys in lists), return_exceptions=True)
-        errors = [a for a in answers if isinstance(a, BaseException)]
-        if errors:
-            _release_found([a for a in answers if not isinstance(a, BaseException)])
-            raise errors[0]
-        return answers  # type: ignore[return-value]
 
     async def _retrieve(self, keys: list[ChunkKey]) -> _Found:
         """The found prefix and, per chunk, the index of the tier it came from."""
@@ -469,6 +448,5 @@ async def _value(value: T) -> T:
     return value
 
 
-def _release_found(found: Sequence[_Found]) -> None:
-    for objs, _ in found:
-        _release(objs)
+def _release_found(found: _Found) -> None:
+    _release(found[0])

@@ -97,9 +97,11 @@ def test_a_failing_fetch_fails_every_load_and_releases_the_waiters(engine, execu
     def boom(requests):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(engine, "fetch", boom)
+    tokens = list(range(16))
+    assert save(engine, tokens, caches(), slots_for(16, 4)) == 2  # held: only the failure stops the load
+    monkeypatch.setattr(engine, "fetch_layers", boom)
     dst, slots = caches(fill=False), slots_for(16, 5)
-    job = LoadJob(engine, dst, [LoadItem("r", tuple(engine.keys(list(range(16)))), slots, 8, 16)], executor)
+    job = LoadJob(engine, dst, [LoadItem("r", tuple(engine.keys(tokens)), slots, 8, 16)], executor)
     for layer in range(LAYOUT.num_layers):
         job.wait_layer(layer)
     assert job.failures() == {"r": 8}

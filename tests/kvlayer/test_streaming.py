@@ -80,7 +80,7 @@ def test_layers_are_usable_as_they_arrive_and_lower_chunks_promoted(setup: Setup
         assert torch.equal(obj.tensor[0], chunk_data(key)[0])
     s.loop.loop.call_soon_threadsafe(gated(s).gate.set)
     assert stream.wait_layer(1, timeout=5)
-    assert stream.finish(s.mgr.promote) == [3, 0]
+    assert stream.finish() == [3, 0]
     for key, obj in zip(keys, stream.objs[0]):
         assert torch.equal(obj.tensor, chunk_data(key))
     stream.release()
@@ -99,7 +99,7 @@ def test_a_chunk_failing_verification_ends_the_prefix(setup: Setup) -> None:
     s.loop.loop.call_soon_threadsafe(gated(s).gate.set)
     stream = s.mgr.stream_many([keys], GROUPS, allocate(s))
     assert len(stream.objs[0]) == 4, "every held chunk is a candidate until verified"
-    assert stream.finish(s.mgr.promote) == [2]
+    assert stream.finish() == [2]
     stream.release()
     s.mgr.flush(5)
     assert s.holds("cpu", keys) == [True, True, False, False], "only verified chunks are promoted"
