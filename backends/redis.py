@@ -142,14 +142,14 @@ class RedisBackend(StorageBackend):
         wants = [Expected(k, self._layout.chunk_shape(k.num_tokens), self._layout.dtype, self._staging)
                  for k in keys]
         async with self._deadline():
-            replies = await (self._get_cluster(wants) if self.settings.cluster else self._get(wants))
+            if self.settings.cluster:
+                replies = await self._get_cluster(wants)
+            else:
+                replies = await self._pooled(lambda conn: self._get_on(conn, wants))
         # No await from here on: the objects in the replies cannot leak to a cancellation.
-        out = [self._counted(key, reply) for key, reply in zip(keys, replies)]
-        bad = [self.redis_key(k) for k, r in zip(keys, replies) if r.error is not None]
-        if bad:
-            self._spawn(self._delete(bad))
-        self._maybe_sample_usage()
-        return out
+        self._tally([(self.redis_key(k), r.obj is not None, r.nbytes, r.error, r.stored)
+                     for k, r in zip(keys, replies)])
+        return [r.obj for r in replies]
 
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
@@ -158,33 +158,12 @@ class RedisBackend(StorageBackend):
         if self.settings.cluster or self.settings.compression != "none" or not keys:
             return await super().read_layers(keys, outs, groups, on_group)
         names = [self.redis_key(k) for k in keys]
-        pool = self._connection().connection_pool
         async with self._deadline():
-            conn = await pool.get_connection()
-            try:
-                values = await conn.retry.call_with_retry(
-                    lambda: self._read_layers_on(conn, names, keys, outs, groups, on_group),
-                    lambda _: conn.disconnect())
-            finally:
-                await pool.release(conn)
-        flags = []
-        for name, v in zip(names, values):
-            ok = v.verified()
-            self._stats["hits" if ok else "misses"] += 1
-            if ok:
-                self._stats["bytes_read"] += v.nbytes
-            elif v.error is not None:
-                self._stats["checksum_errors"] += 1
-                self._log_once("corrupt", "redis: invalid chunk under %s (%s); deleting it", name.decode(), v.error)
-                self._spawn(self._delete([name]))
-            flags.append(ok)
-        self._maybe_sample_usage()
+            values = await self._pooled(lambda conn: _read_or_drop(
+                conn, "GETRANGE", read_layers_on(conn, names, keys, outs, groups, on_group)))
+        flags = [v.verified() for v in values]
+        self._tally([(name, ok, v.nbytes, v.error, True) for name, ok, v in zip(names, flags, values)])
         return flags
-
-    async def _read_layers_on(self, conn: Any, names: list[bytes], keys: Sequence[ChunkKey],
-                              outs: Sequence[MemoryObj], groups: Sequence[tuple[int, int]],
-                              on_group: Callable[[int], None]) -> list[Any]:
-        return await _read_or_drop(conn, "GETRANGE", read_layers_on(conn, names, keys, outs, groups, on_group))
 
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Write each chunk not yet present (``SET NX``); ValueError for a chunk that does not fit its key.
@@ -254,21 +233,24 @@ class RedisBackend(StorageBackend):
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
         return PiecewiseValue(serde.encode_chunk(key, tensor, self.settings.compression))
 
-    def _counted(self, key: ChunkKey, reply: Reply) -> MemoryObj | None:
-        """``reply``'s chunk, or None (a miss), counted; a corrupt value is logged once."""
-        if reply.obj is not None:
-            self._stats["hits"] += 1
-            self._stats["bytes_read"] += reply.nbytes
-            return reply.obj
-        self._stats["misses"] += 1
-        if reply.error is not None:
-            self._stats["checksum_errors"] += 1
-            self._log_once("corrupt", "redis: invalid chunk under %s (%s); deleting it",
-                           self.redis_key(key).decode(), reply.error)
-        elif reply.stored:
-            self._stats["staging_full"] += 1
-            self._log_once("staging", "redis: the staging arena is full; reads become misses")
-        return None
+    def _tally(self, reads: Sequence[tuple[bytes, bool, int, Exception | None, bool]]) -> None:
+        """Count reads ``(name, hit, bytes, error, stored)``: hits and bytes, misses, corrupt values
+        (logged once, deleted in the background) and values the full staging arena turned away."""
+        bad = []
+        for name, hit, nbytes, error, stored in reads:
+            self._stats["hits" if hit else "misses"] += 1
+            if hit:
+                self._stats["bytes_read"] += nbytes
+            elif error is not None:
+                self._stats["checksum_errors"] += 1
+                self._log_once("corrupt", "redis: invalid chunk under %s (%s); deleting it", name.decode(), error)
+                bad.append(name)
+            elif stored:
+                self._stats["staging_full"] += 1
+                self._log_once("staging", "redis: the staging arena is full; reads become misses")
+        if bad:
+            self._spawn(self._delete(bad))
+        self._maybe_sample_usage()
 
     def _digest_of(self, name: bytes) -> bytes | None:
         if not name.startswith(self._prefix):
@@ -292,13 +274,13 @@ class RedisBackend(StorageBackend):
             self._loop = loop
         return self._client
 
-    async def _get(self, wants: list[Expected]) -> list[Reply]:
-        """One pipeline of ``GET``s whose replies ``read_reply`` reads straight into staging, on a
-        pooled connection; one retry on a fresh connection, as redis-py's own calls do."""
+    async def _pooled(self, read: Callable[[Any], Awaitable[T]]) -> T:
+        """``read(conn)`` on a pooled connection, whose replies it parses itself; one retry on a
+        fresh connection, as redis-py's own calls do (``read`` must start over on each call)."""
         pool = self._connection().connection_pool
         conn = await pool.get_connection()
         try:
-            return await conn.retry.call_with_retry(lambda: self._get_on(conn, wants), lambda _: conn.disconnect())
+            return await conn.retry.call_with_retry(lambda: read(conn), lambda _: conn.disconnect())
         finally:
             await pool.release(conn)
 
