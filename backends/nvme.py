@@ -130,11 +130,11 @@ class NvmeBackend(StorageBackend):
                 if e is not None:
                     e.readers -= 1
                 if r is not None:
-                    r.finish()  # closes the file (a no-op once finished)
+                    r.close()
 
     def _finished(self, key: ChunkKey, entry: IndexEntry | None, read: nvme_files.RangedRead | None) -> bool:
-        """Close ``read`` and count its outcome, as ``_get_one`` does for a whole read."""
-        ok = read is not None and entry is not None and read.finish()
+        """Count ``read``'s outcome, as ``_get_one`` does for a whole read."""
+        ok = read is not None and entry is not None and read.verified()
         if ok:
             self._stats["bytes_read"] += entry.size
             self._index.touch(key.digest)

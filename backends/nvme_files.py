@@ -211,18 +211,24 @@ def read_into(path: str, buffers: Sequence[bytearray | memoryview]) -> int:
     One ``readv`` call in the usual case, so a chunk lands in its destination with no copy.
     Blocking: run it in a worker thread.
     """
+    with open(path, "rb", buffering=0) as f:
+        return _preadv_all(f.fileno(), buffers, 0)
+
+
+def _preadv_all(fd: int, buffers: Sequence[bytearray | memoryview], offset: int) -> int:
+    """Fill ``buffers`` in order from ``offset`` of ``fd`` (one ``preadv`` in the usual case);
+    the bytes read, less than their size only where the file ends."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     total = 0
-    with open(path, "rb", buffering=0) as f:
-        while views:
-            n = os.readv(f.fileno(), views)
-            if n == 0:
-                break
-            total += n
-            while views and n >= len(views[0]):
-                n -= len(views.pop(0))
-            if views:
-                views[0] = views[0][n:]
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views:
+            views[0] = views[0][n:]
     return total
 
 
@@ -244,9 +250,9 @@ class RangedRead:
 
     ``read(lo, hi)`` reads layers ``[lo, hi)`` (the first call also the header, which it
     checks against ``key``, ``out``'s shape and dtype and the file's size) and feeds them to a
-    running checksum; ``finish()`` closes the file and checks that checksum once every layer
-    was read. The first error is kept in ``error`` (``OSError`` or ``ChunkFormatError``) and
-    ends the reads. Blocking: call ``read`` and ``finish`` on a worker thread, one at a time.
+    running checksum; ``verified()`` checks that checksum once every layer was read, ``close()``
+    closes the file. The first error is kept in ``error`` (``OSError`` or ``ChunkFormatError``)
+    and ends the reads. Blocking: call ``read`` on a worker thread, one call at a time.
     """
 
     def __init__(self, path: str, key: ChunkKey, out: torch.Tensor) -> None:
@@ -261,7 +267,6 @@ class RangedRead:
         self._hasher = xxhash.xxh3_64()
         self._done = 0
         """Payload bytes read so far."""
-        self._finished: bool | None = None
 
     def read(self, lo: int, hi: int) -> int:
         """Read layers ``[lo, hi)`` into ``out``; the bytes read (0 once an error happened)."""
@@ -281,20 +286,19 @@ class RangedRead:
         self._done = end
         return end - start
 
-    def finish(self) -> bool:
-        """Close the file; whether every byte was read and matches the header's checksum (a
-        mismatch is kept in ``error``)."""
+    def close(self) -> None:
+        """Close the file (idempotent)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        elif self._finished is not None:
-            return self._finished
+
+    def verified(self) -> bool:
+        """Whether every byte was read and matches the header's checksum (a mismatch is kept
+        in ``error``)."""
         if self.error is None and self._header is not None and self._done == len(self._dst):
             if self._hasher.intdigest() == self._header.payload_checksum:
-                self._finished = True
                 return True
             self.error = serde.ChunkFormatError("payload checksum mismatch")
-        self._finished = False
         return False
 
     def _open_and_read(self, end: int) -> int:
@@ -315,13 +319,6 @@ class RangedRead:
 
 def _pread_exactly(fd: int, buffers: Sequence[bytearray | memoryview], offset: int) -> None:
     """Fill ``buffers`` from ``offset`` of ``fd``; ChunkFormatError if the file ends first."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            raise serde.ChunkFormatError(f"the file ends at byte {offset}")
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views.pop(0))
-        if views:
-            views[0] = views[0][n:]
+    want = sum(len(b) for b in buffers)
+    if _preadv_all(fd, buffers, offset) < want:
+        raise serde.ChunkFormatError(f"the file ends before byte {offset + want}")
