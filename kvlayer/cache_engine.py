@@ -28,7 +28,7 @@ from kvlayer.registry import build_backends
 from kvlayer.storage import BackendContext, StorageBackend
 from kvlayer.streaming import LayerStream, layer_groups
 from kvlayer.tier_manager import TierManager
-from kvlayer.transfer import gather, scatter, wait_for_copies
+from kvlayer.transfer import gather, wait_for_copies
 
 log = logging.getLogger(__name__)
 
@@ -159,20 +159,16 @@ class KVCacheEngine:
         given for every token of ``token_ids``. Returns the number of leading tokens now
         available (including those before ``start``), or ``start`` if nothing after it was.
         """
+        from kvlayer.pipeline import LoadItem, LoadJob  # the pipeline is built on this class
+
         keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
         keys = [k for k in keys if k.end <= len(token_ids)]
-        first = next((i for i, k in enumerate(keys) if k.end > start), len(keys))
-        chunks = self.tiers.retrieve(keys[first:]) if first < len(keys) else []
-        end = keys[first - 1].end if first else 0
-        try:
-            for key, obj in zip(keys[first:], chunks, strict=False):
-                lo = max(key.start, start)
-                scatter(obj.tensor[:, :, lo - key.start :], kv_caches, slot_mapping[lo : key.end])
-                end = key.end
-            wait_for_copies(slot_mapping.device)
-        finally:
-            _release(chunks)
-        return max(end, start) if chunks else start
+        end = keys[-1].end if keys else 0
+        if end <= start:
+            return start
+        job = LoadJob(self, kv_caches, [LoadItem("retrieve", tuple(keys), slot_mapping, start, end)])
+        wait_for_copies(slot_mapping.device)
+        return job.failures().get("retrieve", end)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for background writes (tests and shutdown)."""

@@ -7,8 +7,9 @@ Each call runs coroutines on the ``IOLoop`` and waits only for what the caller n
   one tier and chunk i+1 in another). Rounds ask the usable tiers ``contains_prefix(rest)``
   (the memory tiers first, the others together only if the memory tiers lack part of
   ``rest``) and advance by the best answer, until no tier advances.
-- ``retrieve``: asks the tiers top-down for the chunks still missing; returns the longest
-  prefix found. Chunks from a lower tier are promoted into every upper tier in the background.
+- ``stream_many``: the longest held prefix of each key list as a ``kvlayer.streaming.LayerStream``:
+  memory tiers' chunks at once, the others' read layer group by layer group; chunks from a
+  lower tier are promoted into every upper tier in the background.
 - ``store``: puts into the top tier now when it is a memory tier, and writes through to the
   other tiers in the background (skipping the leading keys a tier already holds).
 
@@ -51,8 +52,6 @@ T = TypeVar("T")
 _KeysOp = Callable[[StorageBackend], Callable[[list[ChunkKey]], Awaitable[int]]]
 """Picks a backend's batched method that answers a count (pin, unpin, remove)."""
 _Plan = list[tuple[GuardedTier, list[ChunkKey], list[MemoryObj]]]
-_Found = tuple[list[MemoryObj], list[int]]
-"""A retrieved prefix: its chunks and, per chunk, the index of the tier it came from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +109,6 @@ class TierManager:
         if not any(lists):
             return miss
         return self._run(self._lookup_all(lists, record), "lookup", miss)
-
-    def retrieve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        """The chunks of the longest prefix of ``keys`` the tiers hold, in order, read whole.
-
-        Each returned object carries one reference owned by the caller, who releases it. The
-        objects may live on different devices (the tier's own memory, or staging memory).
-        Chunks from lower tiers are promoted into the tiers above in the background.
-        """
-        keys = list(keys)
-        if not keys:
-            return []
-        objs, sources = self._run(self._retrieve(keys), "retrieve", ([], []), _release_found)
-        self._promote(keys, objs, sources)
-        return objs
 
     def stream_many(self, requests: Sequence[Sequence[ChunkKey]], groups: LayerGroups,
                     allocate: Callable[[ChunkKey], MemoryObj | None]) -> LayerStream:
@@ -250,15 +235,6 @@ class TierManager:
                 if not isinstance(answer, BaseException):
                     counts[t] = max(0, min(int(answer), len(rest)))
         return counts
-
-    async def _retrieve(self, keys: list[ChunkKey]) -> _Found:
-        """The found prefix and, per chunk, the index of the tier it came from."""
-        found, source = await self._collect(keys, len(self._tiers))
-        n = found.index(None) if None in found else len(found)
-        _release([obj for obj in found[n:] if obj is not None])
-        for key, src in zip(keys[:n], source[:n]):  # tokens served, credited to their tier
-            self._tiers[src].metrics.inc("hit_tokens", key.num_tokens)
-        return [obj for obj in found[:n] if obj is not None], source[:n]
 
     async def _collect(self, keys: list[ChunkKey], upto: int) -> tuple[list[MemoryObj | None], list[int]]:
         """Per key, its chunk from the first of tiers ``0..upto-1`` that has it (None if none
@@ -446,7 +422,3 @@ class TierManager:
 
 async def _value(value: T) -> T:
     return value
-
-
-def _release_found(found: _Found) -> None:
-    _release(found[0])

@@ -1,6 +1,6 @@
 """Tests of kvlayer/tier_manager.py over real gpu/cpu tiers (on the CPU) and a fake lower tier.
 
-Covers: cross-tier prefix lookup, retrieval with promotion, background write-through,
+Covers: cross-tier prefix lookup, retrieval (``stream_many``) with promotion, background write-through,
 failing and hanging tiers (misses and counters, no exception, bounded blocking), the
 unhealthy/backoff/recovery cycle, pin/unpin/remove, and that every reference is released.
 """
@@ -17,12 +17,12 @@ from kvlayer.backends.cpu import CpuBackend
 from kvlayer.backends.gpu import GpuBackend
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey
-from kvlayer.memory import Arena
+from kvlayer.memory import Arena, MemoryObj
 from kvlayer.metrics import Metrics
 from kvlayer.registry import build_backends
 from kvlayer.storage import StorageBackend
 from kvlayer.tier_manager import LookupResult, TierManager
-from tests.fakes import CHUNK, CHUNK_BYTES, FakeBackend, chunk_data, context, make_chunks, make_keys, staging
+from tests.fakes import CHUNK, CHUNK_BYTES, LAYOUT, FakeBackend, chunk_data, context, make_chunks, make_keys, staging
 
 DEADLINE_MS = 200
 
@@ -63,6 +63,16 @@ class Setup:
             if isinstance(backend, CpuBackend | GpuBackend):
                 assert backend.arena.used_count == len(backend.keys())
                 assert all(e.obj.ref_count == 1 for e in backend._index.values())
+
+
+def retrieve(s: Setup, keys: list[ChunkKey]) -> list[MemoryObj]:
+    """The verified prefix of ``keys`` through ``stream_many`` (one reference each, the caller's)."""
+    stream = s.mgr.stream_many([keys], [(0, LAYOUT.num_layers)],
+                               lambda k: s.staging.allocate(LAYOUT.chunk_shape(k.num_tokens), LAYOUT.dtype))
+    n = stream.finish()[0]
+    objs = [o.ref() for o in stream.objs[0][:n]]
+    stream.release()
+    return objs
 
 
 @pytest.fixture
@@ -136,7 +146,7 @@ def test_retrieve_is_exact_and_promotes_into_upper_tiers(make) -> None:
     s.place("gpu", keys[:1])
     s.place("fake", keys[1:2])
     s.place("cpu", keys[2:3])
-    objs = s.mgr.retrieve(keys)
+    objs = retrieve(s, keys)
     assert len(objs) == 3
     for key, obj in zip(keys, objs):
         assert torch.equal(obj.tensor, chunk_data(key))
@@ -155,7 +165,7 @@ def test_retrieve_stops_at_the_first_gap(make) -> None:
     s = make(fake={})
     keys = make_keys(4)
     s.place("gpu", [keys[0], keys[2], keys[3]])
-    objs = s.mgr.retrieve(keys)
+    objs = retrieve(s, keys)
     assert len(objs) == 1
     objs[0].release()
     s.assert_no_leaks()
@@ -198,7 +208,7 @@ def test_store_without_a_memory_tier_is_all_background(make) -> None:
     assert not s.mgr.flush(0.05)
     s.tiers["fake"].paused = False
     assert s.mgr.flush(5) and s.holds("fake", keys) == [True, True]
-    objs = s.mgr.retrieve(keys)
+    objs = retrieve(s, keys)
     assert [torch.equal(o.tensor, chunk_data(k)) for o, k in zip(objs, keys)] == [True, True]
     for o in objs:
         o.release()
@@ -217,7 +227,7 @@ def test_a_failing_tier_gives_misses_and_counters(make, fault: str, caplog) -> N
     bound = 2 * DEADLINE_MS / 1000 + 0.3
     start = time.monotonic()
     assert s.mgr.lookup(keys).num_chunks == 1
-    objs = s.mgr.retrieve(keys)
+    objs = retrieve(s, keys)
     assert len(objs) == 1
     objs[0].release()
     fresh = make_keys(2, seed=1)
