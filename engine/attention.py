@@ -5,6 +5,10 @@ first ``num_decodes`` tokens are single-token decodes, batched into one gather a
 call (on CUDA with triton installed, one kernel of ``triton_attention`` instead); each prefill
 span then runs one ``scaled_dot_product_attention`` call (over its own new keys when nothing of
 it is cached, else over its context gathered from the cache).
+
+Masks are additive float biases built once per step and shared by the layers
+(``AttentionMetadata.biases``): the CPU kernel turns a boolean mask into one on every call,
+which cost 40% of a 32-token span's attention over 8k cached tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from kvlayer.engine.attention_metadata import AttentionMetadata, PrefillSpan
+from kvlayer.engine.attention_metadata import AttentionMetadata
 
 FOLD_MAX_ROWS = 512
 """Query tokens x query heads per KV head up to which a span over cached tokens folds its query
@@ -51,8 +55,8 @@ def paged_attention(
     if meta.num_decodes:
         decode = _triton_decode if query.is_cuda and _triton_installed() else _decode_attention
         out[: meta.num_decodes] = decode(query[: meta.num_decodes], kv_cache, meta, scale)
-    for span in meta.prefills:
-        out[span.start : span.end] = _prefill_attention(query, key, value, kv_cache, span, scale)
+    for i, span in enumerate(meta.prefills):
+        out[span.start : span.end] = _prefill_attention(query, key, value, kv_cache, meta, i, scale)
     return out
 
 
@@ -80,11 +84,14 @@ def _decode_attention(
     # index_select of whole blocks: [N * max_blocks, block_size, KVH, D] -> [N, KVH, L, D]
     keys = kv_cache[0].index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = kv_cache[1].index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(keys.shape[2], device=query.device) < meta.decode_context_lens[:, None]
+    bias = meta.biases.get(("decode",))
+    if bias is None:
+        valid = torch.arange(keys.shape[2], device=query.device) < meta.decode_context_lens[:, None]
+        bias = _bias(~valid, query.dtype)[:, None, None, :]
+        meta.biases[("decode",)] = bias
     # each KV head's query group acts as a short query sequence: no repeated keys, one fused call
     grouped = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = valid[:, None, None, :]
-    result = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    result = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
     return result.reshape(n, num_heads, head_dim)
 
 
@@ -93,11 +100,14 @@ def _prefill_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    span: PrefillSpan,
+    meta: AttentionMetadata,
+    index: int,
     scale: float,
 ) -> torch.Tensor:
-    """One sequence's span of query tokens over its context -> ``[span.num_tokens, H, D]``."""
+    """Span ``meta.prefills[index]``'s query tokens over its context -> ``[span.num_tokens, H, D]``."""
+    span = meta.prefills[index]
     q = query[span.start : span.end]
+    groups = q.shape[1] // key.shape[1]
     if span.num_cached == 0:
         k, v, mask = key[span.start : span.end], value[span.start : span.end], None
     else:
@@ -105,12 +115,10 @@ def _prefill_attention(
         blocks = span.block_table[: -(-span.context_len // block_size)]
         k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[: span.context_len]
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: span.context_len]
-        # query i sits at position num_cached + i and sees cache positions [0, num_cached + i]
-        rows = torch.arange(span.num_tokens, device=query.device)[:, None] + span.num_cached
-        mask = torch.arange(span.context_len, device=query.device)[None, :] <= rows
-    groups = q.shape[1] // k.shape[1]
-    if mask is not None and groups > 1 and span.num_tokens * groups <= FOLD_MAX_ROWS:
-        return _folded_attention(q, k, v, mask, groups, scale)
+        fold = groups if groups > 1 and span.num_tokens * groups <= FOLD_MAX_ROWS else 1
+        mask = _span_bias(meta, index, fold, q.dtype)
+        if fold > 1:
+            return _folded_attention(q, k, v, mask, groups, scale)
     # 4-D [1, heads, tokens, D] operands with equal head counts reach the fused CPU kernel; 3-D
     # ones or enable_gqa fall back to slower paths (2-10x at 2k tokens)
     result = F.scaled_dot_product_attention(
@@ -124,16 +132,39 @@ def _prefill_attention(
     return result[0].transpose(0, 1)
 
 
-def _folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, groups: int,
+def _span_bias(meta: AttentionMetadata, index: int, fold: int, dtype: torch.dtype) -> torch.Tensor:
+    """The causal bias ``[fold * n, context_len]`` of span ``index`` over its cached prefix and
+    itself (query i, at position num_cached + i, sees positions [0, num_cached + i]), repeated
+    ``fold`` times for ``_folded_attention``; built on the first layer's call, then shared."""
+    key = ("prefill", index, fold)
+    bias = meta.biases.get(key)
+    if bias is None:
+        span = meta.prefills[index]
+        device = span.block_table.device
+        hidden = torch.zeros(span.num_tokens, span.context_len, dtype=torch.bool, device=device)
+        hidden[:, span.num_cached:] = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool,
+                                                 device=device).triu(1)
+        bias = _bias(hidden, dtype).repeat(fold, 1)
+        meta.biases[key] = bias
+    return bias
+
+
+def _bias(hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive mask of ``dtype``: -inf where ``hidden`` is true, 0 elsewhere."""
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
+def _folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, groups: int,
                       scale: float) -> torch.Tensor:
     """A few query tokens over a long context with GQA: each KV head's query group is folded
     into its query rows (row g * n + i is token i of the group's head g), so the keys and values
-    are used as they are instead of repeated per query head (3x faster for 32 tokens over 8k)."""
+    are used as they are instead of repeated per query head (3x faster for 32 tokens over 8k).
+    ``bias`` is the span's causal bias already repeated for the ``groups`` folds."""
     n, heads, dim = q.shape
     kv_heads = heads // groups
     rows = q.view(n, kv_heads, groups, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, groups * n, dim)
     out = F.scaled_dot_product_attention(rows, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask.repeat(groups, 1), scale=scale)
+                                         attn_mask=bias, scale=scale)
     return out.view(kv_heads, groups, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 

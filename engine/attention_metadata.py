@@ -8,7 +8,7 @@ cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` before attention r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -44,7 +44,8 @@ class AttentionMetadata:
 
     ``decode_block_tables`` is ``[num_decodes, max_blocks]`` int64 (rows padded with any valid
     block id), ``decode_context_lens`` ``[num_decodes]`` int64 (tokens in cache, the new one
-    included).
+    included). ``biases`` memoises the step's additive attention masks (filled by
+    ``attention.py`` on the first layer's use, shared by every layer of the step).
     """
 
     slot_mapping: torch.Tensor
@@ -53,6 +54,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
     block_size: int
+    biases: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 class LayerHooks(Protocol):

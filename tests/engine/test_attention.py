@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlayer.engine import attention
-from kvlayer.engine.attention_metadata import PrefillSpan
+from kvlayer.engine.attention_metadata import AttentionMetadata, PrefillSpan
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
@@ -33,10 +33,17 @@ def test_prefill_over_a_cached_prefix_matches_plain_attention(heads, kv_heads, n
     flat = cache.view(2, -1, kv_heads, dim)
     slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx]
     q = torch.randn(n, heads, dim)
-    span = PrefillSpan(0, n, ctx, table)
+    meta = AttentionMetadata(slots[cached:], 0, torch.zeros((0, 1), dtype=torch.long),
+                             torch.zeros((0,), dtype=torch.long), (PrefillSpan(0, n, ctx, table),), block_size)
     folds = kv_heads < heads and n * (heads // kv_heads) <= attention.FOLD_MAX_ROWS
-    out = attention._prefill_attention(q, flat[0, slots[cached:]], flat[1, slots[cached:]], cache, span,
-                                       1 / math.sqrt(dim))
+    out = attention.paged_attention(q, flat[0, slots[cached:]], flat[1, slots[cached:]], cache, meta,
+                                    1 / math.sqrt(dim))
     want = reference(q, flat[0, slots], flat[1, slots], cached)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    # the span's bias is built once per step and reused by the next layer's call, unchanged
+    (bias,) = meta.biases.values()
+    again = attention.paged_attention(q, flat[0, slots[cached:]], flat[1, slots[cached:]], cache, meta,
+                                      1 / math.sqrt(dim))
+    assert list(meta.biases.values()) == [bias]
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
     assert folds == ((heads, n) in {(12, 5), (12, 100), (4, 1)})  # both paths are covered above
