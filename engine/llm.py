@@ -50,6 +50,15 @@ def load_connector(name: str, kv_config: Any, ctx: KVConnectorContext) -> KVConn
     return found[name].load()(kv_config, ctx)
 
 
+def _blocks_in_budget(kv_cache_memory: int | None, per_block: int) -> int:
+    """How many KV blocks of ``per_block`` bytes fit ``kv_cache_memory`` (None: the default)."""
+    budget = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+    if budget < per_block:
+        raise ValueError(f"kv_cache_memory of {budget} bytes holds no KV block of {per_block} bytes; "
+                         f"raise kv_cache_memory or set num_gpu_blocks")
+    return budget // per_block
+
+
 class LLMEngine:
     """Requests in, tokens out, one ``step()`` at a time (for callers that control arrivals)."""
 
@@ -61,9 +70,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         model, _ = load_model(config.model, config.dtype, config.device)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        per_block = kv_bytes_per_block(cfg, config.block_size, config.dtype)
-        num_blocks = config.num_gpu_blocks or max(
-            1, (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // per_block)
+        num_blocks = config.num_gpu_blocks or _blocks_in_budget(
+            config.kv_cache_memory, kv_bytes_per_block(cfg, config.block_size, config.dtype))
         self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, config.dtype, config.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         if kv_connector is None and kv_config is not None:

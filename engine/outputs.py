@@ -9,6 +9,10 @@ from kvlayer.engine.sequence import RequestTimes
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
+    """One sampled continuation: ``token_ids`` generated so far, the stop token included (EOS
+    or a ``stop_token_ids`` token ends it and is its last id); ``text`` their decoding when the
+    model has a tokenizer; ``finish_reason`` ``"stop"``, ``"length"`` or None while running."""
+
     index: int
     token_ids: tuple[int, ...]
     text: str | None
@@ -21,6 +25,8 @@ class RequestOutput:
 
     ``num_cached_tokens`` counts prompt tokens served by the engine's own prefix cache and
     ``num_external_tokens`` those loaded through the connector (kvlayer), at admission.
+    ``metrics`` is the request's live timing record: an output taken mid-run shows later
+    times (first token, finish) once they happen.
     """
 
     request_id: str
