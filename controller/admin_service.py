@@ -101,7 +101,8 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        """Per instance (one, or all) and tier: the registry's chunk counts and the last heartbeat's counters."""
+        """Per instance (one, or all) and tier: the registry's chunk counts, the last heartbeat's counters
+        and the hit rate they give (``wire.hit_rate``)."""
         entries = [self._known(request.instance_id)] if request.instance_id else self._registry.instances()
         out = []
         for entry in entries:
@@ -109,7 +110,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             for t in entry.spec.tiers:
                 values = entry.stats.get(t.name, {})
                 tiers.append(pb.TierStats(tier=t.name, chunks=self._registry.chunk_count(entry, t.name),
-                                          healthy=bool(values.get("healthy", 0)),
+                                          healthy=bool(values.get("healthy", 0)), hit_rate=wire.hit_rate(values),
                                           **{k: values.get(k, 0) for k in wire.STAT_FIELDS}))
             out.append(pb.InstanceStats(info=self._info(entry), tiers=tiers))
         return pb.StatsResponse(instances=out)
@@ -123,7 +124,8 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
     # --- commands -----------------------------------------------------------------------
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.CommandResponse:
-        """Pin the prefix's chunks on one instance (``tier``, or every tier); pinned chunks are never evicted."""
+        """Pin the prefix's chunks on one instance (``tier``, or every tier that can pin); pinned chunks
+        are never evicted. A tier that cannot pin (Redis) is refused with INVALID_ARGUMENT."""
         return await self._pin(request, context, pb.ACTION_PIN)
 
     @_rpc
@@ -133,9 +135,14 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
 
     async def _pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext,
                    action: int) -> pb.CommandResponse:
+        """One pin or unpin; INVALID_ARGUMENT when ``tier`` cannot pin (no tier: the pinnable ones pin)."""
         entry = self._live(request.instance_id)
         command = self._prefix_for(entry, request.prefix, action)
         command.tier = self._tier(entry, request.tier, "tier")
+        spec = entry.spec.tier(command.tier) if command.tier else None
+        if spec is not None and spec.cannot_pin:
+            raise invalid(f"tier {spec.name!r} of instance {entry.instance_id!r} cannot pin (Redis evicts by its own "
+                          f"maxmemory policy); tiers that can: {entry.spec.pinnable()}")
         return pb.CommandResponse(results=[await self.run_one(entry, command, context)])
 
     @_rpc

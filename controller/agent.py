@@ -32,7 +32,7 @@ from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.config import KVLayerConfig
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller import controller_pb2_grpc as pb_grpc
-from kvlayer.controller.agent_commands import run_command
+from kvlayer.controller.agent_commands import can_pin, run_command
 from kvlayer.controller.auth import bearer
 from kvlayer.controller.channel import aio_channel, parse_target
 from kvlayer.controller.events import EventBuffer
@@ -247,7 +247,8 @@ class ControllerAgent:
         for backend in sorted(engine.backends, key=lambda b: b.rank):
             shared = SHARED_TIERS.get(backend.name)
             tiers.append(pb.TierInfo(name=backend.name, rank=backend.rank, in_memory=backend.in_memory,
-                                     shared_id=shared(engine.config) if shared else ""))
+                                     shared_id=shared(engine.config) if shared else "",
+                                     cannot_pin=not can_pin(backend)))
         return pb.Register(instance_id=self.instance_id, address=self._address, tiers=tiers,
                            namespace=namespace_to_wire(engine.namespace, engine.config.save_partial_chunks))
 

@@ -2,7 +2,8 @@
 
 Handlers run on the agent's worker thread and call the engine's synchronous API, whose tier
 calls carry their own deadlines. A handler's failure becomes a reply with ``ok`` false and
-the error's text; it never escapes into the engine.
+the error's text (the controller answers FAILED_PRECONDITION); it never escapes into the
+engine. A pin or unpin naming a tier that cannot pin (Redis) is such a failure.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.keys import ChunkKey
+from kvlayer.storage import StorageBackend
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +31,32 @@ def _tier(command: pb.Command) -> str | None:
     return command.tier or None
 
 
+def can_pin(backend: StorageBackend) -> bool:
+    """Whether ``backend`` can pin: ``StorageBackend.pin`` pins nothing by default, and a tier that
+    can pin overrides it (the Redis tier does not: Redis evicts by its own maxmemory policy)."""
+    return type(backend).pin is not StorageBackend.pin
+
+
+def _pinnable_tier(engine: KVCacheEngine, command: pb.Command) -> str | None:
+    """The command's tier (None: every tier, the pinnable ones pinning); ``ValueError`` when the
+    named tier cannot pin: a pin there would silently do nothing."""
+    if not command.tier:
+        return None
+    backend = next((b for b in engine.backends if b.name == command.tier), None)
+    if backend is not None and not can_pin(backend):
+        pinnable = [b.name for b in engine.backends if can_pin(b)]
+        raise ValueError(f"tier {command.tier!r} cannot pin (Redis evicts by its own maxmemory policy); "
+                         f"tiers that can: {pinnable}")
+    return command.tier
+
+
 def _pin(engine: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
-    n = engine.tiers.pin(keys, _tier(command))
+    n = engine.tiers.pin(keys, _pinnable_tier(engine, command))
     return n, _covered(keys, len(keys)) if n else 0
 
 
 def _unpin(engine: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
-    n = engine.tiers.unpin(keys, _tier(command))
+    n = engine.tiers.unpin(keys, _pinnable_tier(engine, command))
     return n, _covered(keys, len(keys)) if n else 0
 
 

@@ -12,7 +12,8 @@ command runs, so ``kvlayer --help`` stays fast. Examples::
     kvlayer admin --json stats
 
 Admin commands print tables (``--json`` prints the answer as JSON) and exit 1 with a one-line
-error when the controller refuses (or 2 for bad arguments).
+error on stderr when the controller refuses or a result reports a failed instance (the answer
+is printed first then), 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -187,7 +188,11 @@ def _run_admin(args: argparse.Namespace) -> int:
         print(json.dumps(render.to_dict(answer), indent=2))
     else:
         render.print_answer(answer)
-    return 0 if render.all_ok(answer) else 1
+    failed = render.failures(answer)
+    if failed is not None:
+        print(f"kvlayer admin: {failed}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _instances(client: Any, args: argparse.Namespace) -> Any:

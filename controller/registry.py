@@ -35,12 +35,14 @@ class RegistryFull(Exception):
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """A tier as an instance registers it; ``shared_id`` non-empty for a store other instances see too."""
+    """A tier as an instance registers it; ``shared_id`` non-empty for a store other instances see too;
+    ``cannot_pin`` for a store that evicts by its own policy (Redis)."""
 
     name: str
     rank: int
     in_memory: bool
     shared_id: str = ""
+    cannot_pin: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,10 @@ class InstanceSpec:
     def tier(self, name: str) -> TierSpec | None:
         """The tier called ``name``, None if the instance has none."""
         return next((t for t in self.tiers if t.name == name), None)
+
+    def pinnable(self) -> list[str]:
+        """The names of the tiers that can pin, top first."""
+        return [t.name for t in self.tiers if not t.cannot_pin]
 
     def keys(self, token_ids: Sequence[int], salt: str | None) -> list[ChunkKey]:
         """The chunk keys this instance computes for ``token_ids`` (``salt`` None: its default)."""

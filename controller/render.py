@@ -24,9 +24,16 @@ def to_dict(answer: Message) -> dict[str, Any]:
                                      preserving_proto_field_name=True, unquote_int64_if_possible=True)
 
 
-def all_ok(answer: Message) -> bool:
-    """False when a command's answer reports a failed instance."""
-    return all(r.ok for r in answer.results) if isinstance(answer, pb.CommandResponse) else True
+def failures(answer: Message) -> str | None:
+    """One line naming the instances a command's answer reports as failed, with their errors;
+    None when none failed (or ``answer`` is not a command's)."""
+    if not isinstance(answer, pb.CommandResponse):
+        return None
+    failed = [r for r in answer.results if not r.ok]
+    if not failed:
+        return None
+    errors = "; ".join(f"{r.instance_id}: {' '.join(r.error.split())}" for r in failed)
+    return f"failed on {len(failed)} of {len(answer.results)} instances: {errors}"
 
 
 def print_answer(answer: Message, console: Console | None = None) -> None:
@@ -45,13 +52,14 @@ def _instances(answer: pb.ListInstancesResponse) -> Table:
 
 
 def _stats(answer: pb.StatsResponse) -> Table:
-    """Per instance and tier; "hit chunks/lookup" is the tier's hit rate: chunks it answered per lookup."""
-    t = Table("instance", "state", "tier", "chunks", "used", "capacity", "lookups", "hit chunks/lookup",
+    """Per instance and tier; "hit rate" is the share of the chunks lookups asked for that the tier
+    answered ("-" while its kvlayer counts no looked-up chunks)."""
+    t = Table("instance", "state", "tier", "chunks", "used", "capacity", "lookups", "hit rate",
               "hit tokens", "evictions", "errors", "healthy", title="stats")
     for s in answer.instances:
         state = _STATE.get(s.info.state, "?")
         for x in s.tiers:
-            rate = f"{x.lookup_hit_chunks / x.lookups:.2f}" if x.lookups else "-"
+            rate = f"{x.hit_rate:.1%}" if x.lookup_chunks else "-"
             t.add_row(s.info.instance_id, state, x.tier, str(x.chunks), _bytes(x.used_bytes), _bytes(x.capacity_bytes),
                       str(x.lookups), rate, str(x.hit_tokens), str(x.evictions), str(x.errors + x.timeouts),
                       "yes" if x.healthy else "NO")

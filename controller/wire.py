@@ -110,7 +110,7 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
             raise invalid(f"tier names must match {TIER_RE.pattern}, got {t.name[:40]!r}")
         if t.shared_id:
             check_id(t.shared_id, "tier.shared_id")
-        tiers.append(TierSpec(t.name, t.rank, t.in_memory, t.shared_id))
+        tiers.append(TierSpec(t.name, t.rank, t.in_memory, t.shared_id, t.cannot_pin))
     if len({t.name for t in tiers}) != len(tiers):
         raise invalid("tier names must be distinct")
     return InstanceSpec(msg.instance_id, msg.address, ns, partial, tuple(tiers))
@@ -118,12 +118,21 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
 
 def tier_to_wire(tier: TierSpec) -> pb.TierInfo:
     """The wire form of a registered tier."""
-    return pb.TierInfo(name=tier.name, rank=tier.rank, in_memory=tier.in_memory, shared_id=tier.shared_id)
+    return pb.TierInfo(name=tier.name, rank=tier.rank, in_memory=tier.in_memory, shared_id=tier.shared_id,
+                       cannot_pin=tier.cannot_pin)
 
 
-STAT_FIELDS = ("used_bytes", "capacity_bytes", "lookups", "lookup_hit_chunks", "hit_tokens", "get_chunks",
-               "put_chunks", "evictions", "errors", "timeouts")
-"""The counters a heartbeat carries per tier (plus ``healthy``)."""
+STAT_FIELDS = ("used_bytes", "capacity_bytes", "lookups", "lookup_chunks", "lookup_hit_chunks", "hit_tokens",
+               "get_chunks", "put_chunks", "evictions", "errors", "timeouts")
+"""The counters a heartbeat carries per tier (plus ``healthy``), named as in kvlayer's tier stats."""
+
+
+def hit_rate(values: dict[str, int]) -> float:
+    """A tier's lookup hit rate in [0, 1]: the chunks its lookups found first in it per chunk they
+    asked for (``lookup_hit_chunks / lookup_chunks``); 0 while no chunk was asked for. The two
+    counters are read one after the other, so the ratio is capped at 1."""
+    asked = values.get("lookup_chunks", 0)
+    return min(1.0, values.get("lookup_hit_chunks", 0) / asked) if asked > 0 else 0.0
 
 
 def stats_from_wire(beat: pb.Heartbeat, spec: InstanceSpec) -> dict[str, dict[str, int]]:

@@ -13,6 +13,10 @@ import sys
 from collections.abc import Callable, Sequence
 
 Handler = Callable[[argparse.Namespace], int]
+BAD_FILE_ERRORS: tuple[type[OSError], ...] = (FileNotFoundError, PermissionError, IsADirectoryError,
+                                              NotADirectoryError)
+"""A file named on the command line (a token, tokens or config file) that cannot be read: a bad
+argument (one line, exit 2), not a crash."""
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -127,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, *BAD_FILE_ERRORS) as e:
         print(f"kvlayer: error: {e}", file=sys.stderr)
         return 2
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 COUNTERS: tuple[str, ...] = (
-    "lookups", "lookup_hit_chunks", "hit_tokens", "get_chunks", "get_bytes", "put_chunks", "put_bytes",
+    "lookups", "lookup_chunks", "lookup_hit_chunks", "hit_tokens", "get_chunks", "get_bytes", "put_chunks", "put_bytes",
     "evictions", "errors", "timeouts", "checksum_errors", "promotions", "promotions_declined", "skipped_unhealthy",
 )
 HISTOGRAMS: tuple[str, ...] = ("get_seconds", "put_seconds")

@@ -205,6 +205,7 @@ class TierManager:
         tiers = [t for t in self._tiers if t.usable()]
         for t in tiers if record else ():
             t.metrics.inc("lookups")
+            t.metrics.inc("lookup_chunks", len(keys))
         per_tier = {t.name: 0 for t in tiers}
         n = 0
         while n < len(keys) and tiers:

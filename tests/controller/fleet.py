@@ -42,10 +42,10 @@ UP = pb.INSTANCE_STATE_UP
 class _Process:
     """A child process whose stdout lines arrive in a queue (read by a thread)."""
 
-    def __init__(self, argv: list[str], log: Path, stdin: bool = False) -> None:
+    def __init__(self, argv: list[str], log: Path, stdin: bool = False, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._log_file = log.open("ab")
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log_file,
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log_file, env=env,
                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -95,11 +95,12 @@ class _Process:
 
 
 class ControllerProcess(_Process):
-    """``kvlayer controller --listen 127.0.0.1:PORT ARGS``; ``address`` once it listens."""
+    """``kvlayer controller --listen 127.0.0.1:PORT ARGS`` (in ``env``, default: this process's
+    environment); ``address`` once it listens."""
 
-    def __init__(self, folder: Path, args: list[str], port: int = 0) -> None:
+    def __init__(self, folder: Path, args: list[str], port: int = 0, env: dict[str, str] | None = None) -> None:
         argv = [sys.executable, "-m", "kvlayer.cli", "controller", "--listen", f"127.0.0.1:{port}", *args]
-        super().__init__(argv, folder / "controller.log")
+        super().__init__(argv, folder / "controller.log", env=env)
         first = self.line(START_TIMEOUT_S)
         if "listening on" not in first:
             self.kill()

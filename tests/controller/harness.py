@@ -1,5 +1,5 @@
 """Helpers for the controller tests: a controller in a background thread, in-process engines
-with an agent, and polling.
+with an agent, raw instance streams, and polling.
 
 ``ServerThread`` runs ``ControllerServer`` on its own event loop in a daemon thread (port 0:
 a free port), so a test talks to it through real gRPC without a subprocess.
@@ -13,9 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import grpc
 import torch
 
 from kvlayer.cache_engine import KVCacheEngine
+from kvlayer.controller import controller_pb2 as pb
+from kvlayer.controller import controller_pb2_grpc as pb_grpc
 from kvlayer.controller.agent import ControllerAgent
 from kvlayer.controller.server import ControllerServer
 from kvlayer.controller.settings import ControllerSettings
@@ -111,3 +114,24 @@ def connect(engine: KVCacheEngine, address: str, token: str | None = None) -> Co
     agent = ControllerAgent(engine, address, token, backoff_s=(0.05, 0.5))
     agent.start()
     return agent
+
+
+def raw_instance(address: str, instance_id: str, mute: threading.Event, end: threading.Event,
+                 tiers: tuple[pb.TierInfo, ...] = (pb.TierInfo(name="cpu", rank=10),),
+                 beat: pb.Heartbeat | None = None) -> tuple[grpc.Channel, Any]:
+    """A raw instance stream (no engine): it registers ``tiers``, snapshots one chunk, sends
+    ``beat`` (an empty heartbeat by default) every 50 ms until ``mute`` is set, then sends
+    nothing more; it half-closes once ``end`` is set. It never answers a command. Returns the
+    channel and the call (iterate it for the controller's messages; ``cancel()`` drops it)."""
+    channel = grpc.insecure_channel(address)
+    ns = pb.ModelNamespace(model_name=MODEL, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4,
+                           chunk_size=4, tp_size=1, format_version=1)
+
+    def messages() -> Any:
+        yield pb.InstanceMessage(register=pb.Register(instance_id=instance_id, namespace=ns, tiers=tiers))
+        yield pb.InstanceMessage(snapshot=pb.SnapshotPart(tier=tiers[0].name, digests=[bytes(32)], final=True))
+        while not mute.wait(0.05):
+            yield pb.InstanceMessage(heartbeat=beat or pb.Heartbeat())
+        end.wait()
+
+    return channel, pb_grpc.InstanceServiceStub(channel).Connect(messages())

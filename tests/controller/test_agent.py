@@ -11,9 +11,16 @@ import pytest
 
 from kvlayer.controller import best_instance
 from kvlayer.controller import controller_pb2 as pb
-from kvlayer.controller import controller_pb2_grpc as pb_grpc
 from kvlayer.controller.client import AdminClient, ControllerError
-from tests.controller.harness import MODEL, ServerThread, connect, make_engine, store_tokens, wait_until
+from tests.controller.harness import (
+    MODEL,
+    ServerThread,
+    connect,
+    make_engine,
+    raw_instance,
+    store_tokens,
+    wait_until,
+)
 
 
 def prompt(seed: int, n: int = 17) -> list[int]:
@@ -163,29 +170,10 @@ def test_engine_serves_without_a_controller():
     assert start_agent(make_engine("none"), make_engine("none").config) is None
 
 
-def _raw_instance(address: str, instance_id: str, mute: threading.Event,
-                  end: threading.Event) -> tuple[grpc.Channel, object]:
-    """A raw stream that registers, snapshots one chunk and heartbeats until ``mute`` is set,
-    then sends nothing more; it half-closes once ``end`` is set."""
-    channel = grpc.insecure_channel(address)
-    ns = pb.ModelNamespace(model_name=MODEL, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4,
-                           chunk_size=4, tp_size=1, format_version=1)
-
-    def messages():
-        yield pb.InstanceMessage(register=pb.Register(instance_id=instance_id, namespace=ns,
-                                                      tiers=[pb.TierInfo(name="cpu", rank=10)]))
-        yield pb.InstanceMessage(snapshot=pb.SnapshotPart(tier="cpu", digests=[bytes(32)], final=True))
-        while not mute.wait(0.05):
-            yield pb.InstanceMessage(heartbeat=pb.Heartbeat())
-        end.wait()
-
-    return channel, pb_grpc.InstanceServiceStub(channel).Connect(messages())
-
-
 def test_an_instance_that_stops_heartbeating_is_marked_down():
     with ServerThread(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5) as srv, AdminClient(srv.address) as admin:
         mute, end = threading.Event(), threading.Event()
-        channel, call = _raw_instance(srv.address, "mute", mute, end)
+        channel, call = raw_instance(srv.address, "mute", mute, end)
         try:
             assert next(call).registered.heartbeat_interval_ms == 100
             state = lambda: [(i.instance_id, i.state, i.chunks) for i in admin.list_instances().instances]

@@ -89,6 +89,26 @@ def test_refusals_exit_non_zero_with_one_line(controller, capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1 and "token ids must be integers" in err
 
 
+def test_an_unreadable_token_file_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    for command in (["admin", "--controller", "127.0.0.1:1", "--token-file", str(folder), "instances"],
+                    ["controller", "--listen", "127.0.0.1:0", "--admin-token-file", str(folder)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("kvlayer: error: ") and "Is a directory" in err
+    secret = tmp_path / "secret.token"
+    secret.write_text(TOKEN)
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("pathlib.Path.read_text", denied)  # root reads any file: chmod cannot deny it
+    assert main(["admin", "--controller", "127.0.0.1:1", "--token-file", str(secret), "instances"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvlayer: error: [Errno 13] Permission denied: '{secret}'\n"
+
+
 def test_the_entry_point_in_a_process(controller):
     srv, token_file = controller
     run = lambda *args, **kw: subprocess.run([sys.executable, "-m", "kvlayer.cli", "admin", "--controller", srv.address,

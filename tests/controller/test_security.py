@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import grpc
 import pytest
 
@@ -10,6 +15,7 @@ from kvlayer.controller import controller_pb2_grpc as pb_grpc
 from kvlayer.controller.auth import authorized, read_token
 from kvlayer.controller.client import AdminClient, ControllerError
 from kvlayer.controller.settings import ControllerSettings
+from tests.controller.fleet import ROOT, ControllerProcess
 from tests.controller.harness import MODEL, ServerThread, connect, make_engine, store_tokens, wait_until
 from tests.controller.tls_files import make_certificates
 
@@ -119,3 +125,23 @@ def test_client_certificates_when_the_controller_asks_for_them(tmp_path):
             assert list(admin.list_instances().instances) == []
         with AdminClient(srv.address, tls_ca=str(files.ca_cert), timeout=2) as anonymous:
             assert code_of(anonymous.list_instances) == "UNAVAILABLE"
+
+
+def test_the_controller_process_with_tls_flags_and_its_token_from_the_environment(tmp_path):
+    files = make_certificates(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAYER_")}
+    tls = ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-client-ca", str(files.ca_cert)]
+    (tmp_path / "admin.token").write_text(ADMIN + "\n")
+    with ControllerProcess(tmp_path, tls, env={**env, "KVLAYER_ADMIN_TOKEN": ADMIN}) as controller:
+        mutual = f"grpcs://{controller.address}?cert={files.cert}&key={files.key}"  # the CA signed one certificate
+        cli = subprocess.run([sys.executable, "-m", "kvlayer.cli", "admin", "--controller", mutual, "--tls-ca",
+                              str(files.ca_cert), "--token-file", str(tmp_path / "admin.token"), "--json", "instances"],
+                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        assert cli.returncode == 0, f"{cli.stderr}\n{controller.tail()}"
+        assert json.loads(cli.stdout) == {"instances": []}
+        with AdminClient(mutual, tls_ca=str(files.ca_cert), timeout=5) as tokenless:
+            assert code_of(tokenless.list_instances) == "UNAUTHENTICATED", "the token came from the environment"
+        with AdminClient(controller.address, token=ADMIN, tls_ca=str(files.ca_cert), timeout=5) as certless:
+            assert code_of(certless.list_instances) == "UNAVAILABLE", "--tls-client-ca asks for a certificate"
+        with AdminClient(controller.address, token=ADMIN, timeout=5) as plaintext:
+            assert code_of(plaintext.list_instances) == "UNAVAILABLE"

@@ -117,10 +117,12 @@ def test_lookup_finds_a_prefix_spread_over_tiers(make) -> None:
     assert s.mgr.lookup([]) == LookupResult(0, 0, {})
     for tier in ("gpu", "cpu", "fake"):
         assert s.counter(tier, "lookups") == 1
+        assert s.counter(tier, "lookup_chunks") == 5
         assert s.counter(tier, "lookup_hit_chunks") == 1
         assert s.counter(tier, "hit_tokens") == 0  # tokens count as hits when served, not when found
     s.mgr.lookup(keys, record=False)
     assert s.counter("gpu", "lookups") == 1
+    assert s.counter("gpu", "lookup_chunks") == 5
 
 
 def test_lookup_attributes_chunks_to_the_topmost_tier(make) -> None:
