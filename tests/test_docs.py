@@ -64,7 +64,8 @@ def test_every_command_in_the_docs_runs(doc: Path, tmp_path: Path):
            "PYTHONPATH": str(ROOT)}
     env = {k: v for k, v in env.items() if not k.startswith("KVLAYER_") or k in
            ("KVLAYER_HOME", "KVLAYER_SMOKE")}
-    proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n{script}"],
+    cleanup = "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"  # also when a command fails
+    proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail\n{cleanup}\n{script}"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
