@@ -2,7 +2,10 @@
 
 Same weights, same run: prefill tokens/s per prompt length (ours: one engine step; theirs:
 one forward, logits of the last position only) and decode tokens/s (ours: N sequences
-batched; theirs: one sequence at a time with ``generate``).
+batched; theirs: one sequence at a time with ``generate``). The engine's KV cache is sized to
+the largest case, which the timings do not depend on.
+
+Example: ``kvlayer bench engine --lengths 512,2048 --json engine.json --plot engine.png``
 """
 
 from __future__ import annotations
@@ -10,32 +13,58 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
-from kvlayer.benchmarks.common import default_model, machine_info, parse_ints, print_table, timed, write_json
+from kvlayer.benchmarks.common import (
+    add_plot_argument,
+    close_figure,
+    default_model,
+    machine_info,
+    model_facts,
+    new_figure,
+    parse_ints,
+    print_table,
+    progress,
+    save_figure,
+    settings_of,
+    timed,
+    write_json,
+)
+
+BLOCK_SIZE = 16
+WARMUP_TOKENS = 64
+"""Prompt length of the untimed first prefill of each implementation."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvlayer bench engine``."""
     p.add_argument("--lengths", default="512,2048,8192", help="prompt lengths for prefill")
     p.add_argument("--decode-seqs", type=int, default=16)
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--no-hf", action="store_true", help="skip transformers (not installed, or to save time)")
+    add_plot_argument(p)
 
 
-def ours_prefill(llm, length: int, vocab: int) -> float:
+def _prompt(seed: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def ours_prefill(llm: Any, length: int, vocab: int) -> float:
+    """Seconds the engine of ``llm`` takes to prefill one ``length``-token prompt (one output token)."""
     from kvlayer.engine import SamplingParams
 
     eng = llm.engine
-    ids = [random.Random(length).randrange(3, vocab) for _ in range(length)]
-    eng.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0))
+    eng.add_request({"prompt_token_ids": _prompt(length, length, vocab)}, SamplingParams(max_tokens=1, temperature=0))
     t = time.perf_counter()
     while eng.has_unfinished_requests():
         eng.step()
     return time.perf_counter() - t
 
 
-def ours_decode(llm, seqs: int, prompt: int, tokens: int, vocab: int) -> float:
+def ours_decode(llm: Any, seqs: int, prompt: int, tokens: int, vocab: int) -> float:
     """Decode tokens/s of ``seqs`` sequences batched (steps that only decode)."""
     from kvlayer.engine import SamplingParams
 
@@ -55,7 +84,8 @@ def ours_decode(llm, seqs: int, prompt: int, tokens: int, vocab: int) -> float:
     return generated / elapsed
 
 
-def hf_model(path: str):
+def hf_model(path: str) -> Any:
+    """The transformers model of the folder ``path`` in float32, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -63,20 +93,23 @@ def hf_model(path: str):
     return model.eval()
 
 
-def hf_prefill(model, length: int, vocab: int) -> float:
+def hf_prefill(model: Any, length: int, vocab: int) -> float:
+    """Seconds one transformers forward over a ``length``-token prompt takes (last logits only)."""
     import torch
 
-    ids = torch.tensor([[random.Random(length).randrange(3, vocab) for _ in range(length)]])
+    ids = torch.tensor([_prompt(length, length, vocab)])
     with torch.inference_mode():
         t = time.perf_counter()
         model(ids, use_cache=False, logits_to_keep=1)
         return time.perf_counter() - t
 
 
-def hf_decode(model, prompt: int, tokens: int, vocab: int) -> float:
+def hf_decode(model: Any, prompt: int, tokens: int, vocab: int) -> float:
+    """Tokens/s of transformers' ``generate`` of ``tokens`` tokens after a ``prompt``-token prompt
+    (its prefill included)."""
     import torch
 
-    ids = torch.tensor([[random.Random(1).randrange(3, vocab) for _ in range(prompt)]])
+    ids = torch.tensor([_prompt(1, prompt, vocab)])
     with torch.inference_mode():
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
@@ -84,31 +117,101 @@ def hf_decode(model, prompt: int, tokens: int, vocab: int) -> float:
         return tokens / (time.perf_counter() - t)
 
 
+def kv_blocks(lengths: list[int], seqs: int, prompt: int, tokens: int) -> int:
+    """KV blocks for the largest case: the longest prefill (or the warm-up), or every decode
+    sequence at its full length; one spare block each."""
+    prefill = -(-(max([*lengths, WARMUP_TOKENS]) + 1) // BLOCK_SIZE) + 1
+    decode = seqs * (-(-(prompt + tokens) // BLOCK_SIZE) + 1)
+    return max(prefill, decode)
+
+
 def main(args: argparse.Namespace) -> int:
+    """Measure, print the table, write ``--json`` and ``--plot``; 0 on success (ValueError for a bad option)."""
     from kvlayer.engine import LLM
 
-    model = args.model or default_model(args.home, "bench")
     lengths = parse_ints(args.lengths)
-    llm = LLM(model, device=args.device, enable_prefix_caching=False, kv_cache_memory="4GiB",
-              max_num_batched_tokens=max(lengths + [args.decode_seqs * args.decode_prompt]))
-    vocab = llm.engine.model_config.vocab_size
-    ours_prefill(llm, 64, vocab)  # warm-up
-    hf = None if args.no_hf else hf_model(model)
+    if not lengths or min(lengths) < 1 or min(args.decode_seqs, args.decode_prompt, args.decode_tokens) < 1:
+        raise ValueError("--lengths and the --decode-* options must be positive")
+    model = args.model or default_model(args.home, "bench")
+    facts = model_facts(model, args.device)
+    vocab = facts["vocab"]
+    with progress(len(lengths) + 1, "bench engine") as advance:
+        llm = LLM(model, device=args.device, enable_prefix_caching=False, block_size=BLOCK_SIZE,
+                  num_gpu_blocks=kv_blocks(lengths, args.decode_seqs, args.decode_prompt, args.decode_tokens),
+                  max_num_batched_tokens=max([*lengths, WARMUP_TOKENS, args.decode_seqs * args.decode_prompt]))
+        hf = None if args.no_hf else hf_model(model)
+        results = measure(llm, hf, lengths, args, vocab, advance)
+    record = {"bench": "engine", "machine": machine_info(args.device), "model": facts,
+              "settings": settings_of(args), **results}
+    report(record)
+    write_json(args.json, record)
+    plot(args.plot, record)
+    return 0
+
+
+def measure(llm: Any, hf: Any | None, lengths: list[int], args: argparse.Namespace, vocab: int,
+            advance: Callable[[], None]) -> dict[str, Any]:
+    """Prefill per length and batched decode, ours and (when ``hf`` is given) transformers'.
+    ``ratio`` is ours over theirs in tokens/s (None without transformers); ``preemptions`` (the
+    engine's, 0 when its KV cache held every case) would mean a decode figure with recomputes in it."""
+    ours_prefill(llm, WARMUP_TOKENS, vocab)
     if hf is not None:
-        hf_prefill(hf, 64, vocab)
-    rows, results = [], {"prefill": [], "decode": {}}
+        hf_prefill(hf, WARMUP_TOKENS, vocab)
+    prefill = []
     for n in lengths:
         ours = ours_prefill(llm, n, vocab)
         theirs = hf_prefill(hf, n, vocab) if hf is not None else None
-        ratio = theirs / ours if theirs else None
-        rows.append([f"prefill {n}", n / ours, n / theirs if theirs else None, ratio])
-        results["prefill"].append({"tokens": n, "ours_s": ours, "hf_s": theirs, "ratio": ratio})
+        prefill.append({"tokens": n, "ours_s": ours, "hf_s": theirs, "ratio": theirs / ours if theirs else None})
+        advance()
     ours_tps = ours_decode(llm, args.decode_seqs, args.decode_prompt, args.decode_tokens, vocab)
     hf_tps = hf_decode(hf, args.decode_prompt, args.decode_tokens, vocab) if hf is not None else None
-    ratio = ours_tps / hf_tps if hf_tps else None
-    rows.append([f"decode ({args.decode_seqs} seqs vs 1)", ours_tps, hf_tps, ratio])
-    results["decode"] = {"seqs": args.decode_seqs, "ours_tok_s": ours_tps, "hf_tok_s": hf_tps, "ratio": ratio}
-    print_table(f"bench engine: {model}", ["case", "ours tok/s", "transformers tok/s", "ratio"], rows)
-    payload: dict[str, Any] = {"machine": machine_info(args.device), "model": model, **results}
-    write_json(args.json, payload)
-    return 0
+    advance()
+    return {"prefill": prefill, "decode": {"seqs": args.decode_seqs, "ours_tok_s": ours_tps, "hf_tok_s": hf_tps,
+                                           "ratio": ours_tps / hf_tps if hf_tps else None,
+                                           "preemptions": llm.engine.scheduler.num_preemptions}}
+
+
+def cases(record: dict[str, Any]) -> list[tuple[str, float, float | None, float | None]]:
+    """(case, ours tok/s, transformers tok/s or None, ratio or None) per prefill length, then decode."""
+    out = [(f"prefill {p['tokens']}", p["tokens"] / p["ours_s"], p["tokens"] / p["hf_s"] if p["hf_s"] else None,
+            p["ratio"]) for p in record["prefill"]]
+    d = record["decode"]
+    out.append((f"decode ({d['seqs']} seqs vs 1)", d["ours_tok_s"], d["hf_tok_s"], d["ratio"]))
+    return out
+
+
+def report(record: dict[str, Any]) -> None:
+    """Print the table of tokens/s per case and what the ratio means."""
+    m = record["model"]
+    print_table(f"bench engine: {m['name']} ({m['layers']} layers, {m['dtype']})",
+                ["case", "ours tok/s", "transformers tok/s", "ratio"], [list(c) for c in cases(record)])
+    print("ratio = ours / transformers in tokens/s; decode: ours batched, transformers one sequence at a time")
+
+
+def plot(path: str | None, record: dict[str, Any]) -> None:
+    """Bars of tokens/s per case (log scale: prefill and decode differ tenfold), ours next to
+    transformers, each pair's ratio written above it."""
+    if not path:
+        return
+    rows = cases(record)
+    fig, axes = new_figure(1, 1, (max(9.0, 1.6 * len(rows) + 3), 4.8))
+    ax = axes[0][0]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label="kvlayer engine")
+    if not record["settings"]["no_hf"]:
+        ax.bar([i + 0.2 for i in x], [r[2] or float("nan") for r in rows], 0.4, color="tab:gray",
+               label="transformers")
+    for i, r in enumerate(rows):
+        if r[3] is not None:
+            ax.annotate(f"{r[3]:.2f}x", (i, max(r[1], r[2] or 0.0)), xytext=(0, 3), textcoords="offset points",
+                        ha="center", fontsize=8)
+    ax.set_xticks(list(x), [r[0] for r in rows], fontsize=8)
+    ax.set(ylabel="tokens/s", yscale="log", title="bench engine: tokens/s (ratio = ours / transformers)")
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8)
+    st = record["settings"]
+    setup = (f"decode: {st['decode_seqs']} sequences batched vs transformers one at a time, "
+             f"{st['decode_prompt']}-token prompts, {st['decode_tokens']} tokens each; "
+             + ("transformers skipped (--no-hf)" if st["no_hf"] else "transformers: float32, CPU"))
+    save_figure(fig, path, record, setup)
+    close_figure(fig)

@@ -13,7 +13,10 @@ Reported per configuration: the median TTFT off and on, the overhead of the medi
 ((on/off - 1) * 100), the spread of the per-round ratios, and the chunk writes kvlayer made
 (puts, all tiers): proof that it did its work on every miss.
 
-Example: ``kvlayer bench miss-overhead --configs cpu,nvme --length 2048 --rounds 8``
+With ``--plot``: per configuration, the TTFT off and on in every round, and the overhead of the
+medians with the spread of the per-round ratios against the goal.
+
+Example: ``kvlayer bench miss-overhead --configs cpu,nvme --length 2048 --rounds 8 --plot miss.png``
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlayer.benchmarks.common import (
+    add_plot_argument,
+    close_figure,
     default_model,
     machine_info,
     model_facts,
+    new_figure,
     print_table,
     progress,
+    save_figure,
     settings_of,
     write_json,
 )
@@ -45,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, default=2048, help="prompt tokens of every request")
     p.add_argument("--rounds", type=int, default=8, help="request pairs (one without kvlayer, one with) per config")
     add_config_arguments(p, "cpu,nvme")
+    add_plot_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,6 +74,7 @@ def main(args: argparse.Namespace) -> int:
               "settings": settings_of(args), "goal_pct": GOAL_PCT, "configs": results}
     report(record)
     write_json(args.json, record)
+    plot(args.plot, record)
     return 0
 
 
@@ -138,3 +147,40 @@ def report(record: dict[str, Any]) -> None:
     verdicts = "; ".join(f"{name} {r['overhead_pct']:+.2f}% {'met' if r['goal_met'] else 'NOT met'}"
                          for name, r in record["configs"].items())
     print(f"goal: <= {record['goal_pct']:g}% (kvlayer issue 3): {verdicts}")
+
+
+def plot(path: str | None, record: dict[str, Any]) -> None:
+    """Left: TTFT per round without kvlayer (dashed) and with it (solid), one colour per
+    configuration. Right: the overhead of the medians per configuration, its bar spanning the
+    per-round extremes, the bound with the drain added (x) and the goal (dashed)."""
+    if not path:
+        return
+    fig, axes = new_figure(1, 2, (13, 4.8))
+    ax_r, ax_o = axes[0]
+    names = list(record["configs"])
+    for i, (name, r) in enumerate(record["configs"].items()):
+        color = f"C{i}"
+        rounds = [p["round"] for p in r["pairs"]]
+        ax_r.plot(rounds, [p["off_s"] for p in r["pairs"]], "--", marker=".", color=color, label=f"{name}: off")
+        ax_r.plot(rounds, [p["on_s"] for p in r["pairs"]], "-", marker="o", color=color, label=f"{name}: kvlayer")
+    ax_r.set_xticks(range(record["settings"]["rounds"]))
+    ax_r.set(xlabel="round (even: off then on; odd: on then off)", ylabel="TTFT s",
+             title="TTFT per round: recompute (off) vs kvlayer (on)")
+    ax_r.legend(fontsize=7)
+    x = range(len(names))
+    overhead = [record["configs"][n]["overhead_pct"] for n in names]
+    spread = [[o - record["configs"][n]["pair_min_pct"] for n, o in zip(names, overhead)],
+              [record["configs"][n]["pair_max_pct"] - o for n, o in zip(names, overhead)]]
+    ax_o.bar(list(x), overhead, 0.5, yerr=spread, capsize=6, color=[f"C{i}" for i in x], label="overhead of medians")
+    ax_o.plot(list(x), [record["configs"][n]["overhead_with_drain_pct"] for n in names], "kx", label="+ drain")
+    ax_o.axhline(0.0, color="k", lw=0.8)
+    ax_o.axhline(record["goal_pct"], color="0.4", ls="--", lw=1, label=f"goal <= {record['goal_pct']:g}%")
+    ax_o.set_xticks(list(x), names)
+    ax_o.set(ylabel="TTFT on / off - 1, %", title="overhead on misses (bars: per-round min..max)")
+    ax_o.legend(fontsize=7)
+    st = record["settings"]
+    setup = (f"{st['length']}-token prompts, all misses, {st['rounds']} ABBA rounds per configuration, "
+             f"chunk {st['chunk_size']}; one engine without kvlayer shared, kvlayer below engines with their "
+             f"prefix cache off")
+    save_figure(fig, path, record, setup)
+    close_figure(fig)

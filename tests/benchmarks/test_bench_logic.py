@@ -1,15 +1,20 @@
-"""The benchmarks' pure logic: percentiles, crossovers, Poisson schedules, workloads, the driver."""
+"""The benchmarks' pure logic: percentiles, crossovers, Poisson schedules, workloads, the main
+job's sizes, the driver."""
 
 from __future__ import annotations
 
 import math
 import os
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from kvlayer.benchmarks.configs import ConfigFactory, TierSizes, drop_page_cache, parse_configs, redact_url
 from kvlayer.benchmarks.driver import RealClock, SimClock, drive
+from kvlayer.benchmarks.engine_bench import kv_blocks
+from kvlayer.benchmarks.multi_round_qa import GOAL_WORKING_SET_X, engine_size
 from kvlayer.benchmarks.stats import Crossover, crossover, percentile, ratio, summarize
 from kvlayer.benchmarks.workloads import (
     ChatSessions,
@@ -124,6 +129,46 @@ def test_long_doc_order_queries_each_document_q_times_never_twice_in_a_row():
     first = {d: order.index(d) for d in range(5)}
     assert [q.repeated(i) for i in range(len(order))] == [first[d] != i for i, d in enumerate(order)]
     assert q.prompt(Turn(0, 0, 0))[:16] == spec.document(order[0], 50)
+
+
+# ----- the main job -------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _main_job_argv() -> list[str]:
+    """The ``kvlayer bench multi-round-qa ...`` words of scripts/main.sh (the README's main
+    command), ``"$@"`` left out."""
+    script = (ROOT / "scripts" / "main.sh").read_text().replace("\\\n", " ")
+    (line,) = [line for line in script.splitlines()
+               if "bench multi-round-qa" in line and not line.lstrip().startswith("#")]
+    words = shlex.split(line)
+    return [w for w in words[words.index("bench"):] if w != "$@"]
+
+
+def test_the_main_job_runs_a_working_set_at_least_4x_the_engine_kv():
+    """No model run: the main job's flags and the benchmark's own defaults give a working set of
+    at least ``GOAL_WORKING_SET_X`` (4) times the engine KV capacity it configures, and compare
+    the two configurations the goal is about."""
+    from kvlayer.cli import build_parser
+
+    assert "scripts/main.sh" in (ROOT / "README.md").read_text()
+    argv = _main_job_argv()
+    assert argv[:2] == ["bench", "multi-round-qa"]
+    args = build_parser().parse_args(argv)
+    spec = MultiRoundSpec(args.users, args.rounds, args.system_tokens, args.history_tokens, args.question_tokens,
+                          args.answer_tokens, args.seed)
+    size = engine_size(spec, args.engine_kv_tokens)
+    assert size.tokens >= spec.max_request_tokens()
+    assert spec.working_set_tokens() / size.tokens >= GOAL_WORKING_SET_X
+    assert {"engine", "cpu+nvme"} <= set(parse_configs(args.configs))
+
+
+def test_engine_bench_kv_cache_holds_its_largest_case():
+    for lengths, seqs, prompt, tokens in [([512, 2048, 8192], 16, 128, 32), ([32], 2, 16, 4), ([1], 1, 1, 1)]:
+        blocks = kv_blocks(lengths, seqs, prompt, tokens)
+        assert blocks * 16 > max([*lengths, 64])
+        assert blocks >= seqs * -(-(prompt + tokens) // 16)
 
 
 # ----- configurations ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``kvlayer bench tiers`` at tiny sizes, through ``kvlayer.cli.main``: every tier's figures and
-ceilings are recorded, positive, and their ratios consistent (no timing thresholds).
+ceilings are recorded, positive, and their ratios consistent (no timing thresholds); the table,
+notes and output paths are printed.
 
 The Redis rows need a ``redis-server`` binary; without one the run notes that it skipped them.
 """
@@ -20,17 +21,27 @@ HAVE_REDIS = shutil.which("redis-server") is not None
 TINY = ["--preset", "tiny", "--chunk-tokens", "16,32", "--chunks", "3", "--repeat", "1"]
 
 
-def run(tmp_path: Path, *argv: str) -> dict:
+def run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    """Run ``kvlayer bench tiers`` at tiny sizes; its record, after checking what it printed:
+    the table and where the JSON and the PNG went."""
     out = tmp_path / "tiers.json"
     png = tmp_path / "tiers.png"
     assert main(["bench", "tiers", *TINY, *argv, "--home", str(tmp_path / "home"), "--json", str(out),
                  "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return json.loads(out.read_text())
+    assert "bench tiers: 'tiny' preset, float32, 3 chunks per batch, best of 1" in printed
+    header = next(line for line in printed.splitlines() if "tokens" in line and "mem/KV" in line)
+    assert all(c in header for c in ("tier", "comp", "get GiB/s", "get ratio", "put ratio")), header
+    assert f"wrote {out}" in printed.splitlines() and f"wrote {png}" in printed.splitlines()
+    record = json.loads(out.read_text())
+    for note in record["notes"]:
+        assert f"note: {note}" in printed
+    return record
 
 
-def test_every_tier_is_measured_next_to_its_ceiling(tmp_path: Path) -> None:
-    record = run(tmp_path)
+def test_every_tier_is_measured_next_to_its_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record = run(tmp_path, capsys)
     assert record["machine"]["cores"] >= 1 and record["preset"] == "tiny"
     assert set(record["ceilings"]) == {"memcpy", "file", "redis"}
     assert [r["chunk_tokens"] for r in record["results"]] == [16, 32]
@@ -53,11 +64,11 @@ def test_every_tier_is_measured_next_to_its_ceiling(tmp_path: Path) -> None:
         assert any("redis rows skipped" in n for n in record["notes"])
 
 
-def test_a_given_redis_url_and_a_bad_tier(tmp_path: Path) -> None:
+def test_a_given_redis_url_and_a_bad_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if not HAVE_REDIS:
         pytest.skip("redis-server is not installed")
     with LocalRedis() as server:
-        record = run(tmp_path, "--tiers", "redis", "--compressions", "none", "--redis-url", server.url)
+        record = run(tmp_path, capsys, "--tiers", "redis", "--compressions", "none", "--redis-url", server.url)
         client = redis.Redis.from_url(server.url)
         assert client.dbsize() == 0, "the benchmark deletes what it wrote"
         client.close()
