@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--no-hf", action="store_true", help="skip transformers (not installed, or to save time)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="prefill measurements per length, ours and transformers' alternating; medians reported")
     add_plot_argument(p)
 
 
@@ -130,8 +133,9 @@ def main(args: argparse.Namespace) -> int:
     from kvlayer.engine import LLM
 
     lengths = parse_ints(args.lengths)
-    if not lengths or min(lengths) < 1 or min(args.decode_seqs, args.decode_prompt, args.decode_tokens) < 1:
-        raise ValueError("--lengths and the --decode-* options must be positive")
+    if not lengths or min(lengths) < 1 or min(args.decode_seqs, args.decode_prompt, args.decode_tokens,
+                                              args.repeat) < 1:
+        raise ValueError("--lengths, --repeat and the --decode-* options must be positive")
     model = args.model or default_model(args.home, "bench")
     facts = model_facts(model, args.device)
     vocab = facts["vocab"]
@@ -151,7 +155,8 @@ def main(args: argparse.Namespace) -> int:
 
 def measure(llm: Any, hf: Any | None, lengths: list[int], args: argparse.Namespace, vocab: int,
             advance: Callable[[], None]) -> dict[str, Any]:
-    """Prefill per length and batched decode, ours and (when ``hf`` is given) transformers'.
+    """Prefill per length (medians of ``args.repeat`` alternating runs) and batched decode, ours
+    and (when ``hf`` is given) transformers'.
     ``ratio`` is ours over theirs in tokens/s (None without transformers); ``preemptions`` (the
     engine's, 0 when its KV cache held every case) would mean a decode figure with recomputes in it."""
     ours_prefill(llm, WARMUP_TOKENS, vocab)
@@ -159,9 +164,16 @@ def measure(llm: Any, hf: Any | None, lengths: list[int], args: argparse.Namespa
         hf_prefill(hf, WARMUP_TOKENS, vocab)
     prefill = []
     for n in lengths:
-        ours = ours_prefill(llm, n, vocab)
-        theirs = hf_prefill(hf, n, vocab) if hf is not None else None
-        prefill.append({"tokens": n, "ours_s": ours, "hf_s": theirs, "ratio": theirs / ours if theirs else None})
+        ours_runs: list[float] = []
+        hf_runs: list[float] = []
+        for _ in range(args.repeat):  # alternating, so both sides see the same machine load
+            ours_runs.append(ours_prefill(llm, n, vocab))
+            if hf is not None:
+                hf_runs.append(hf_prefill(hf, n, vocab))
+        ours = statistics.median(ours_runs)
+        theirs = statistics.median(hf_runs) if hf_runs else None
+        prefill.append({"tokens": n, "ours_s": ours, "hf_s": theirs, "ratio": theirs / ours if theirs else None,
+                        "ours_runs_s": ours_runs, "hf_runs_s": hf_runs})
         advance()
     ours_tps = ours_decode(llm, args.decode_seqs, args.decode_prompt, args.decode_tokens, vocab)
     hf_tps = hf_decode(hf, args.decode_prompt, args.decode_tokens, vocab) if hf is not None else None

@@ -207,11 +207,13 @@ def test_miss_overhead_pairs_every_config_with_the_shared_baseline_and_never_hit
 
 def test_engine_compares_prefill_and_decode_with_transformers(tiny_model_dir, tmp_path, capsys):
     rec, printed = _run(tmp_path, capsys, "engine", "--model", tiny_model_dir, "--lengths", "32,64",
-                        "--decode-seqs", "2", "--decode-prompt", "16", "--decode-tokens", "4")
+                        "--decode-seqs", "2", "--decode-prompt", "16", "--decode-tokens", "4", "--repeat", "3")
     _check_record(rec, tiny_model_dir)
     assert rec["settings"]["lengths"] == "32,64" and rec["settings"]["no_hf"] is False
     assert [p["tokens"] for p in rec["prefill"]] == [32, 64]
     for p in rec["prefill"]:
+        assert len(p["ours_runs_s"]) == len(p["hf_runs_s"]) == 3
+        assert p["ours_s"] == sorted(p["ours_runs_s"])[1] and p["hf_s"] == sorted(p["hf_runs_s"])[1]
         assert p["ours_s"] > 0 and p["hf_s"] > 0 and p["ratio"] == pytest.approx(p["hf_s"] / p["ours_s"])
     d = rec["decode"]
     assert d["seqs"] == 2 and d["ours_tok_s"] > 0 and d["hf_tok_s"] > 0
