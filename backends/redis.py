@@ -1,10 +1,16 @@
-"""The Redis tier: one Redis key per chunk, holding the serde header and the payload in one value.
+"""The Redis tier: each chunk in two Redis keys, its serde header with the payload's last bytes
+and the rest of its payload, so that Redis stores it without rounding it up to the next size class.
 
 Enabled by ``redis_url``: ``redis://host:port/db``, ``rediss://`` (TLS; options such as
 ``ssl_ca_certs`` go in the URL's query), ``unix://``; ``user:password@`` for ACLs.
-``redis_cluster: true`` talks to a Redis Cluster, whose nodes share the chunks by key (no hash
-tags). Chunk K lives under ``<redis_key_prefix>:<K hex>``, written by one ``SET NX`` (``EX
-redis_ttl_s`` when > 0): a reader sees the whole chunk or nothing, never half of one.
+``redis_cluster: true`` talks to a Redis Cluster, whose nodes share the chunks by key. Chunk K
+lives under ``<redis_key_prefix>:{<K hex>}`` (head) and ``<redis_key_prefix>:{<K hex>}:b`` (body),
+one hash slot (the layout and why: ``backends/redis_pairs.py``), both written by one ``MSETNX``
+(with their ``EXPIRE redis_ttl_s`` when > 0, in one ``MULTI`` but in cluster mode) and read by
+one ``MGET``: a reader sees the whole chunk or nothing, never half of one. A chunk that lost
+one key (Redis evicts and expires keys one by one) is a miss counted in ``half_chunks``, and
+its other key is deleted (by a read in the background, by ``contains_prefix`` before it
+returns), so that the chunk can be written again.
 
 Capacity is Redis's own (run it with ``maxmemory`` and ``allkeys-lru``): this tier evicts
 nothing itself, ``pin``/``unpin`` pin nothing (they return 0), and chunks Redis evicts or
@@ -12,21 +18,22 @@ expires are not reported to the listener. ``usage()`` is the server's ``used_mem
 ``maxmemory`` (summed over a cluster's primaries, all keys counted) as last sampled, at most
 every ``USAGE_EVERY_S``, by the coroutine calls.
 
-Faults: a value that is not a valid chunk for its key (garbage, truncated, another key's, a
-flipped bit) is a miss counted in ``checksum_errors``, and the key is deleted. Every call is
-bounded by ``tier_timeout_ms`` (socket and connect timeouts and an overall deadline);
-connection errors and timeouts raise, and the next call reconnects by itself. In cluster mode
-a batch is split into one pipeline per node: a node that fails makes its own keys misses
-(``node_errors``) while the others answer; the call raises only if every node it needed failed.
+Faults: values that are not a valid chunk for their key (garbage, truncated, another key's, a
+flipped bit, in either key) are a miss counted in ``checksum_errors``, and both keys are
+deleted. Every call is bounded by ``tier_timeout_ms`` (socket and connect timeouts and an
+overall deadline); connection errors and timeouts raise, and the next call reconnects by
+itself. In cluster mode a batch is split into one pipeline per node: a node that fails makes
+its own keys misses (``node_errors``) while the others answer; the call raises only if every
+node it needed failed.
 
-Throughput: a value is never copied whole on the way out or in. ``backends/redis_clients.py`` packs a
-value as its two pieces (the header, then the payload: a view of the chunk's tensor or its lz4
-frame) and writes the pieces one by one: Python 3.11's ``StreamWriter.writelines`` would join
-every piece into one new buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB
-values here, 2-3 GiB/s piecewise). ``GET`` replies are read by ``redis_reads.read_reply``,
-which checks the header and hashes and copies the payload straight from the stream into the
-staging tensor, skipping redis-py's reply parser and its copies. Redis Cluster clients take no
-connection class, so in cluster mode values are joined once and replies go through redis-py.
+Throughput: a value is never copied whole on the way out or in. The body is a view of the
+chunk's tensor (or its lz4 frame), which ``backends/redis_clients.py`` writes to the socket from
+that memory: Python 3.11's ``StreamWriter.writelines`` would join every piece into one new
+buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB values here, 2-3 GiB/s
+piecewise). ``MGET`` replies are read by ``redis_reads.read_reply``, which checks the header and
+hashes and copies the payload straight from the stream into the staging tensor, skipping
+redis-py's reply parser and its copies. Redis Cluster clients take no connection class, so in
+cluster mode bodies are joined once and replies go through redis-py.
 """
 
 from __future__ import annotations
@@ -35,16 +42,34 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvlayer import serde
-from kvlayer.backends.redis_clients import PiecewiseValue, make_client, sync_client
+from kvlayer.backends.redis_clients import (
+    PiecewiseValue,
+    is_failure,
+    make_client,
+    pipeline,
+    raise_server_error,
+    read_or_drop,
+    sync_client,
+)
 from kvlayer.backends.redis_layers import read_layers_on
-from kvlayer.backends.redis_reads import Expected, Reply, decode_value, read_reply
-from kvlayer.keys import KEY_BYTES, ChunkKey
+from kvlayer.backends.redis_pairs import (
+    ChunkNames,
+    HalfChunk,
+    chunk_names,
+    digest_of,
+    head_pattern,
+    msetnx_reply,
+    split,
+    write_commands,
+)
+from kvlayer.backends.redis_reads import MISS, Expected, Reply, decode_pair, read_reply
+from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
 from kvlayer.storage import BackendContext, StorageBackend
@@ -52,9 +77,10 @@ from kvlayer.storage import BackendContext, StorageBackend
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-COUNTERS = ("hits", "misses", "checksum_errors", "staging_full", "node_errors", "bytes_read",
+COUNTERS = ("hits", "misses", "checksum_errors", "half_chunks", "staging_full", "node_errors", "bytes_read",
             "bytes_written", "puts", "removed")
-"""What ``stats()`` counts (``node_errors``: keys lost to a failing node in cluster mode)."""
+"""What ``stats()`` counts (``half_chunks``: chunks found with one of their two keys, the other
+evicted or expired by Redis; ``node_errors``: keys lost to a failing node in cluster mode)."""
 
 USAGE_EVERY_S = 5.0
 NODE_SHARE = 0.8
@@ -87,7 +113,7 @@ class RedisSettings:
 
 
 class RedisBackend(StorageBackend):
-    """Chunks as Redis values (header + payload), read into ``staging``.
+    """Chunks as pairs of Redis values (header + payload tail, payload body), read into ``staging``.
 
     ``get_many`` answers objects allocated from ``staging`` (one reference each, owned by the
     caller); ``put_many`` only reads the caller's chunks. The client is made on the first call
@@ -121,18 +147,25 @@ class RedisBackend(StorageBackend):
                                  cfg.compression, cfg.tier_timeout_ms / 1000)
         return cls(settings, ctx.layout, ctx.staging)
 
-    def redis_key(self, key: ChunkKey) -> bytes:
-        """The Redis key of ``key``'s chunk: ``<prefix>:<key hex>``."""
-        return self._prefix + key.hex.encode()
+    def redis_keys(self, key: ChunkKey) -> ChunkNames:
+        """The Redis keys of ``key``'s chunk: ``<prefix>:{<key hex>}`` and ``<prefix>:{<key hex>}:b``."""
+        return chunk_names(self._prefix, key)
 
     # --- the StorageBackend interface -------------------------------------------------
     async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading chunks have both keys; a chunk found with one key loses it (awaited,
+        so that a write right after this call finds neither key and can store the chunk)."""
         if not keys:
             return 0
+        names = [self.redis_keys(k) for k in keys]
         async with self._deadline():
-            replies = await self._run([("EXISTS", self.redis_key(k)) for k in keys])
+            replies = await self._run([("EXISTS", *n) for n in names])
+            halves = [n for n, r in zip(names, replies) if r == 1]
+            if halves:
+                self._stats["half_chunks"] += len(halves)
+                await self._run([("DEL", *n) for n in halves])
         n = 0
-        while n < len(keys) and replies[n] == 1:
+        while n < len(keys) and replies[n] == 2:
             n += 1
         return n
 
@@ -147,26 +180,28 @@ class RedisBackend(StorageBackend):
             else:
                 replies = await self._pooled(lambda conn: self._get_on(conn, wants))
         # No await from here on: the objects in the replies cannot leak to a cancellation.
-        self._tally([(self.redis_key(k), r.obj is not None, r.nbytes, r.error, r.stored)
+        self._tally([(self.redis_keys(k), r.obj is not None, r.nbytes, r.error, r.stored)
                      for k, r in zip(keys, replies)])
         return [r.obj for r in replies]
 
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
-        """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s by layer group
+        """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s of the bodies by layer group
         (``backends/redis_layers.py``); compressed values and cluster mode read whole values."""
         if self.settings.cluster or self.settings.compression != "none" or not keys:
             return await super().read_layers(keys, outs, groups, on_group)
-        names = [self.redis_key(k) for k in keys]
+        names = [self.redis_keys(k) for k in keys]
         async with self._deadline():
-            values = await self._pooled(lambda conn: _read_or_drop(
+            values = await self._pooled(lambda conn: read_or_drop(
                 conn, "GETRANGE", read_layers_on(conn, names, keys, outs, groups, on_group)))
         flags = [v.verified() for v in values]
-        self._tally([(name, ok, v.nbytes, v.error, True) for name, ok, v in zip(names, flags, values)])
+        # Not "stored": a chunk read into the caller's ``outs`` never meets a full staging arena.
+        self._tally([(name, ok, v.nbytes, v.error, False) for name, ok, v in zip(names, flags, values)])
         return flags
 
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
-        """Write each chunk not yet present (``SET NX``); ValueError for a chunk that does not fit its key.
+        """Write each chunk neither of whose keys is present (``MSETNX``); ValueError for a chunk
+        that does not fit its key.
 
         In cluster mode, chunks bound for a failing node are dropped (``node_errors``); a
         server error reply (e.g. OOM) raises after the other chunks are written.
@@ -175,26 +210,30 @@ class RedisBackend(StorageBackend):
             raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
         if not keys:
             return
-        values = [self._encode(k, c) for k, c in zip(keys, chunks)]
-        expiry = ("EX", self.settings.ttl_s) if self.settings.ttl_s else ()
-        # Cluster connections cannot send a value in pieces: there, each value is joined once.
-        commands = [("SET", self.redis_key(k), v.joined() if self.settings.cluster else v, "NX", *expiry)
-                    for k, v in zip(keys, values)]
+        pairs = [self._encode(k, c) for k, c in zip(keys, chunks)]
+        # A cluster pipeline can neither route MULTI (there the EXPIREs follow MSETNX in the same
+        # pipeline) nor send a value in pieces (there each body is joined once).
+        cluster = self.settings.cluster
+        multi = self.settings.ttl_s > 0 and not cluster
+        commands = [write_commands(self.redis_keys(k), head, body.joined() if cluster else body, self.settings.ttl_s,
+                                   multi) for k, (head, body) in zip(keys, pairs)]
         async with self._deadline():
-            replies = await self._run(commands)
-        new = [i for i, r in enumerate(replies) if r is True]
+            replies = await self._run([c for cmds in commands for c in cmds])
+        step = len(commands[0])
+        written = [msetnx_reply(replies[i : i + step], multi) for i in range(0, len(replies), step)]
+        new = [i for i, r in enumerate(written) if r == 1]
         self._stats["puts"] += len(new)
-        self._stats["bytes_written"] += sum(values[i].nbytes for i in new)
+        self._stats["bytes_written"] += sum(len(pairs[i][0]) + pairs[i][1].nbytes for i in new)
         self._admitted([keys[i].digest for i in new])
         self._maybe_sample_usage()
-        _raise_server_error(replies)
+        raise_server_error(written)
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         if not keys:
             return 0
         async with self._deadline():
-            replies = await self._run([("DEL", self.redis_key(k)) for k in keys])
-        gone = [k.digest for k, r in zip(keys, replies) if r == 1]
+            replies = await self._run([("DEL", *self.redis_keys(k)) for k in keys])
+        gone = [k.digest for k, r in zip(keys, replies) if isinstance(r, int) and r > 0]
         self._stats["removed"] += len(gone)
         self._evicted(gone)
         return len(gone)
@@ -203,11 +242,11 @@ class RedisBackend(StorageBackend):
         return self._usage
 
     def keys(self) -> list[bytes]:
-        """Digests of every chunk under the prefix, by a blocking ``SCAN``: call it off the I/O loop."""
+        """Digests of every chunk under the prefix (one per head), by a blocking ``SCAN``: call it off the I/O loop."""
         client = sync_client(self.settings)
         try:
-            names = client.scan_iter(match=self._prefix + b"*", count=1000)
-            return [d for d in (self._digest_of(n) for n in names) if d is not None]
+            names = client.scan_iter(match=head_pattern(self._prefix), count=1000)
+            return [d for d in (digest_of(self._prefix, n) for n in names) if d is not None]
         finally:
             client.close()
 
@@ -224,42 +263,36 @@ class RedisBackend(StorageBackend):
             await client.aclose()
 
     # --- encoding and decoding --------------------------------------------------------
-    def _encode(self, key: ChunkKey, chunk: MemoryObj) -> PiecewiseValue:
-        """Header and payload as one value in two pieces; the payload is a view of the chunk (or its lz4 frame)."""
+    def _encode(self, key: ChunkKey, chunk: MemoryObj) -> tuple[bytes, PiecewiseValue]:
+        """The head and body values; the body is a view of the chunk (or of its lz4 frame)."""
         shape = self._layout.chunk_shape(key.num_tokens)
         if tuple(chunk.shape) != shape or chunk.dtype != self._layout.dtype:
             raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
                              f"{key.hex[:16]} (expected {shape} {self._layout.dtype})")
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
-        return PiecewiseValue(serde.encode_chunk(key, tensor, self.settings.compression))
+        head, body = split(*serde.encode_chunk(key, tensor, self.settings.compression))
+        return head, PiecewiseValue((body,))
 
-    def _tally(self, reads: Sequence[tuple[bytes, bool, int, Exception | None, bool]]) -> None:
-        """Count reads ``(name, hit, bytes, error, stored)``: hits and bytes, misses, corrupt values
-        (logged once, deleted in the background) and values the full staging arena turned away."""
+    def _tally(self, reads: Sequence[tuple[ChunkNames, bool, int, Exception | None, bool]]) -> None:
+        """Count reads ``(names, hit, bytes, error, stored)``: hits and bytes, misses, corrupt values
+        and half chunks (logged once, both keys deleted in the background) and values the full
+        staging arena turned away."""
         bad = []
-        for name, hit, nbytes, error, stored in reads:
+        for names, hit, nbytes, error, stored in reads:
             self._stats["hits" if hit else "misses"] += 1
             if hit:
                 self._stats["bytes_read"] += nbytes
             elif error is not None:
-                self._stats["checksum_errors"] += 1
-                self._log_once("corrupt", "redis: invalid chunk under %s (%s); deleting it", name.decode(), error)
-                bad.append(name)
+                kind = "half_chunks" if isinstance(error, HalfChunk) else "checksum_errors"
+                self._stats[kind] += 1
+                self._log_once(kind, "redis: invalid chunk %s (%s); deleting its keys", names.head.decode(), error)
+                bad.append(names)
             elif stored:
                 self._stats["staging_full"] += 1
                 self._log_once("staging", "redis: the staging arena is full; reads become misses")
         if bad:
             self._spawn(self._delete(bad))
         self._maybe_sample_usage()
-
-    def _digest_of(self, name: bytes) -> bytes | None:
-        if not name.startswith(self._prefix):
-            return None
-        try:
-            digest = bytes.fromhex(name[len(self._prefix):].decode())
-        except ValueError:
-            return None
-        return digest if len(digest) == KEY_BYTES else None
 
     # --- Redis calls ------------------------------------------------------------------
     def _deadline(self) -> AbstractAsyncContextManager[Any]:
@@ -285,7 +318,7 @@ class RedisBackend(StorageBackend):
             await pool.release(conn)
 
     async def _get_on(self, conn: Any, wants: list[Expected]) -> list[Reply]:
-        await conn.send_packed_command(conn.pack_commands([("GET", self.redis_key(w.key)) for w in wants]))
+        await conn.send_packed_command(conn.pack_commands([("MGET", *self.redis_keys(w.key)) for w in wants]))
         replies: list[Reply] = []
 
         async def read_all() -> list[Reply]:
@@ -294,7 +327,7 @@ class RedisBackend(StorageBackend):
             return replies
 
         try:
-            return await _read_or_drop(conn, "GET", read_all())
+            return await read_or_drop(conn, "MGET", read_all())
         except BaseException:
             for r in replies:
                 if r.obj is not None:
@@ -302,21 +335,21 @@ class RedisBackend(StorageBackend):
             raise
 
     async def _get_cluster(self, wants: list[Expected]) -> list[Reply]:
-        values = await self._run([("GET", self.redis_key(w.key)) for w in wants])
-        return [decode_value(v if _is_stored(v) else None, w) for v, w in zip(values, wants)]
+        values = await self._run([("MGET", *self.redis_keys(w.key)) for w in wants])
+        return [decode_pair(*v, w) if isinstance(v, list) else _error_reply(v) for v, w in zip(values, wants)]
 
     async def _run(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Each command's reply, or the exception it failed with; ``commands[i][1]`` is its key."""
         client = self._connection()
         if not self.settings.cluster:
-            return await _pipeline(client, commands)
+            return await pipeline(client, commands)
         await client.initialize()
         groups: dict[str, list[int]] = {}
         for i, cmd in enumerate(commands):
             groups.setdefault(client.get_node_from_key(cmd[1]).name, []).append(i)
         limit = self.settings.timeout_s * NODE_SHARE
         replies = await asyncio.gather(
-            *(asyncio.wait_for(_pipeline(client, [commands[i] for i in idx]), limit) for idx in groups.values()),
+            *(asyncio.wait_for(pipeline(client, [commands[i] for i in idx]), limit) for idx in groups.values()),
             return_exceptions=True)
         out: list[Any] = [None] * len(commands)
         for (node, idx), reply in zip(groups.items(), replies):
@@ -324,13 +357,13 @@ class RedisBackend(StorageBackend):
             for i, r in zip(idx, node_replies):
                 out[i] = r
             self._count_node_failures(node, node_replies)
-        failures = [r for r in out if _failure(r)]
+        failures = [r for r in out if is_failure(r)]
         if len(failures) == len(out):
             raise failures[0]
         return out
 
     def _count_node_failures(self, node: str, replies: Sequence[Any]) -> None:
-        failures = [r for r in replies if _failure(r)]
+        failures = [r for r in replies if is_failure(r)]
         for r in failures:
             if not isinstance(r, Exception):  # a cancellation is not a node's failure
                 raise r
@@ -339,9 +372,9 @@ class RedisBackend(StorageBackend):
             self._log_once(f"node {node}", "redis: cluster node %s failed (%r); its keys are misses",
                            node, failures[0])
 
-    async def _delete(self, names: list[bytes]) -> None:
+    async def _delete(self, names: list[ChunkNames]) -> None:
         async with self._deadline():
-            await self._run([("DEL", n) for n in names])
+            await self._run([("DEL", *n) for n in names])
 
     def _maybe_sample_usage(self) -> None:
         now = time.monotonic()
@@ -376,43 +409,7 @@ class RedisBackend(StorageBackend):
             log.warning(msg, *args)
 
 
-def _failure(reply: Any) -> bool:
-    """Whether a reply says a server could not answer (down, timed out, cluster down)."""
-    from redis.exceptions import ClusterError, ResponseError
-
-    return isinstance(reply, BaseException) and (not isinstance(reply, ResponseError)
-                                                 or isinstance(reply, ClusterError))
-
-
-def _is_stored(value: Any) -> bool:
-    """Whether a GET reply is a stored value (bytes, or an error about its type), not a miss or failure."""
-    return value is not None and not _failure(value)
-
-
-def _raise_server_error(replies: Iterable[Any]) -> None:
-    """Raise the first error reply about a command itself (e.g. OOM); node failures are counted."""
-    for r in replies:
-        if isinstance(r, BaseException) and not _failure(r):
-            raise r
-
-
-async def _read_or_drop(conn: Any, what: str, reading: Awaitable[T]) -> T:
-    """``await reading`` (replies read from ``conn``'s stream); on any failure the connection,
-    left mid-reply, is dropped, and a broken stream is raised as redis' ConnectionError."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    try:
-        return await reading
-    except BaseException as e:
-        await conn.disconnect(nowait=True)
-        if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
-            raise RedisConnectionError(f"reading {what} replies: {e!r}") from e
-        raise
-
-
-async def _pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """Send ``commands`` in one pipeline; per-command errors come back as exceptions in the list."""
-    async with client.pipeline(transaction=False) as pipe:
-        for cmd in commands:
-            pipe.execute_command(*cmd)
-        return list(await pipe.execute(raise_on_error=False))
+def _error_reply(reply: Any) -> Reply:
+    """The read of a chunk whose MGET failed: a miss for a server that could not answer, else
+    (an error reply about the keys, e.g. NOPERM) an error."""
+    return MISS if is_failure(reply) else Reply(None, True, serde.ChunkFormatError(f"error reply: {reply!r:.80}"))

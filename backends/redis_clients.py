@@ -1,28 +1,32 @@
-"""redis-py clients for the Redis tier (``backends/redis.py``), built lazily, with no I/O.
+"""redis-py clients for the Redis tier (``backends/redis.py``), built lazily, with no I/O, and
+the few calls the tier makes on them.
 
 ``make_client`` gives the asyncio client: a plain one whose connections send a
-``PiecewiseValue`` (header, payload) without ever joining it, or a cluster client;
-``sync_client`` a blocking one for occasional admin calls.
+``PiecewiseValue`` (a chunk's body: a view of its tensor) without ever copying it, or a
+cluster client; ``sync_client`` a blocking one for occasional admin calls. ``pipeline`` sends
+commands in one pipeline, ``read_or_drop`` guards a connection whose replies the tier parses
+itself, and ``is_failure``/``raise_server_error`` sort error replies from failed servers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from kvlayer.backends.redis import RedisSettings
 
+T = TypeVar("T")
 _BIG_PIECE = 64 * 1024
 """Pieces at least this large are written alone, from their own memory."""
 
 
 @dataclass(frozen=True, slots=True)
 class PiecewiseValue:
-    """One Redis string value given as consecutive pieces (header, payload), never joined by
+    """One Redis string value given as consecutive pieces (views of memory), never joined by
     ``_PiecewiseWrites``: joining would copy each multi-MiB payload into fresh memory."""
 
     pieces: tuple[bytes | memoryview, ...]
@@ -107,3 +111,41 @@ def sync_client(settings: RedisSettings) -> Any:
     from redis import Redis
 
     return Redis.from_url(settings.url, **_timeouts(settings))
+
+
+# --- calls on those clients (used by backends/redis.py) ----------------------------------
+def is_failure(reply: Any) -> bool:
+    """Whether a reply says a server could not answer (down, timed out, cluster down)."""
+    from redis.exceptions import ClusterError, ResponseError
+
+    return isinstance(reply, BaseException) and (not isinstance(reply, ResponseError)
+                                                 or isinstance(reply, ClusterError))
+
+
+def raise_server_error(replies: Iterable[Any]) -> None:
+    """Raise the first error reply about a command itself (e.g. OOM); node failures are counted."""
+    for r in replies:
+        if isinstance(r, BaseException) and not is_failure(r):
+            raise r
+
+
+async def read_or_drop(conn: Any, what: str, reading: Awaitable[T]) -> T:
+    """``await reading`` (replies read from ``conn``'s stream); on any failure the connection,
+    left mid-reply, is dropped, and a broken stream is raised as redis' ConnectionError."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    try:
+        return await reading
+    except BaseException as e:
+        await conn.disconnect(nowait=True)
+        if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
+            raise RedisConnectionError(f"reading {what} replies: {e!r}") from e
+        raise
+
+
+async def pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Send ``commands`` in one pipeline; per-command errors come back as exceptions in the list."""
+    async with client.pipeline(transaction=False) as pipe:
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        return list(await pipe.execute(raise_on_error=False))

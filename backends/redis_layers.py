@@ -1,13 +1,16 @@
 """Reading the Redis tier's chunks layer group by layer group (``StorageBackend.read_layers``).
 
-A chunk value is ``serde`` header + raw payload, layer-major, so layers ``[lo, hi)`` are the
-value's bytes ``HEADER_SIZE + lo * L .. HEADER_SIZE + hi * L - 1`` (L: one layer's bytes).
-One pipeline asks ``GETRANGE`` for group 0 of every key (with the header in front), then
-group 1 of every key, and so on; the replies are read in that order straight from the
-connection's stream into the caller's chunks (``redis_reads``), each value's bytes feeding a
-running checksum checked after its last group. A ``STRLEN`` of each key comes first
-(0: a missing key). A value of the wrong size, type, header or checksum fails its key only. Raw values only:
-compressed chunks and cluster mode go through whole ``GET``s.
+A chunk is two keys (``backends/redis_pairs.py``): the head holds the serde header and the
+payload's last bytes (the tail), the body the payload's first bytes. The payload is raw and
+layer-major, so layers ``[lo, hi)`` are payload bytes ``lo * L .. hi * L - 1`` (L: one layer's
+bytes): a ``GETRANGE`` of the body at those offsets, then, for the last group(s), bytes of the
+tail. One pipeline asks ``GET`` of every head and ``STRLEN`` of every body (a missing head:
+a missing chunk; a head without its body: a ``HalfChunk``), then ``GETRANGE`` of group 0 of
+every body, then group 1, and so on; the replies are read in that order straight from the
+connection's stream into the caller's chunks (``redis_reads``), each chunk's bytes feeding a
+running checksum checked after its last group. A value of the wrong size, type, header or
+checksum fails its key only. Raw values only: compressed chunks and cluster mode go through
+whole reads (``MGET``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -23,106 +27,144 @@ from kvlayer import serde
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
 
-from .redis_reads import ProtocolError, read_into, skip_reply
+from .redis_pairs import ChunkNames, HalfChunk, body_len, check_head, tail_len
+from .redis_reads import ProtocolError, parse_bulk_size, read_into, skip_reply
 
 
 class RangedValue:
-    """One key's read state: where its bytes go, its running checksum and its first error."""
+    """One chunk's read state: where its bytes go, its running checksum and its first error
+    (``header`` None and no ``error``: its head is missing, the chunk is a plain miss)."""
 
     def __init__(self, key: ChunkKey, out: MemoryObj) -> None:
         self.key = key
         self.out = out
         self.dst = out.tensor.view(-1).view(torch.uint8).numpy()
         self.layer_bytes = len(self.dst) // out.shape[0]
+        self.body_bytes = len(self.dst) - tail_len(len(self.dst))
         self.hasher = xxhash.xxh3_64()
         self.header: serde.ChunkHeader | None = None
+        self.tail = b""
         self.error: serde.ChunkFormatError | None = None
         self.nbytes = 0
 
-    def span(self, lo: int, hi: int, first: bool) -> tuple[int, int]:
-        """The inclusive value byte range of layers ``[lo, hi)`` (from byte 0 for the first group)."""
-        start = 0 if first else serde.HEADER_SIZE + lo * self.layer_bytes
-        return start, serde.HEADER_SIZE + hi * self.layer_bytes - 1
+    @property
+    def reading(self) -> bool:
+        """Whether its bytes still go into its chunk (its head was valid, nothing failed since)."""
+        return self.header is not None and self.error is None
+
+    def body_span(self, lo: int, hi: int) -> tuple[int, int]:
+        """The body (and payload) bytes ``[start, end)`` of layers ``[lo, hi)``, without the tail's."""
+        return min(lo * self.layer_bytes, self.body_bytes), min(hi * self.layer_bytes, self.body_bytes)
+
+    def add_tail(self, lo: int, hi: int) -> None:
+        """Copy and hash the part of layers ``[lo, hi)`` the head held (after their body bytes)."""
+        start, end = max(lo * self.layer_bytes, self.body_bytes), min(hi * self.layer_bytes, len(self.dst))
+        if self.reading and start < end:
+            piece = self.tail[start - self.body_bytes : end - self.body_bytes]
+            self.hasher.update(piece)
+            self.dst[start:end] = np.frombuffer(piece, dtype=np.uint8)
+
+    def fail(self, error: serde.ChunkFormatError) -> None:
+        """Record why the chunk is not valid (its first reason is kept)."""
+        self.error = self.error or error
 
     def verified(self) -> bool:
-        if self.error is None and self.header is not None:
+        """Whether every byte arrived and matches the header's checksum (call after the last group)."""
+        if self.reading and self.header is not None:
             if self.hasher.intdigest() == self.header.payload_checksum:
                 return True
             self.error = serde.ChunkFormatError("payload checksum mismatch")
         return False
 
 
-async def read_layers_on(conn: Any, names: Sequence[bytes], keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
-                         groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[RangedValue]:
-    """Send the ranged reads of ``names`` on the redis-py connection ``conn`` and fill ``outs``.
+async def read_layers_on(conn: Any, names: Sequence[ChunkNames], keys: Sequence[ChunkKey],
+                         outs: Sequence[MemoryObj], groups: Sequence[tuple[int, int]],
+                         on_group: Callable[[int], None]) -> list[RangedValue]:
+    """Send the ranged reads of the chunks ``names`` on the redis-py connection ``conn`` and fill ``outs``.
 
     Answers each key's ``RangedValue`` (``verified()`` tells whether it holds the chunk, ``error``
     why not; a never-started value is a missing key). Raises ProtocolError (or the stream's
     errors) if the stream breaks, after which the connection must be dropped.
     """
     values = [RangedValue(k, o) for k, o in zip(keys, outs, strict=True)]
-    commands = [("STRLEN", name) for name in names]
-    commands += [("GETRANGE", name, *v.span(lo, hi, g == 0))
-                 for g, (lo, hi) in enumerate(groups) for name, v in zip(names, values)]
+    commands: list[tuple[Any, ...]] = [c for n in names for c in (("GET", n.head), ("STRLEN", n.body))]
+    for lo, hi in groups:
+        for n, v in zip(names, values):
+            start, end = v.body_span(lo, hi)
+            if start < end:  # GETRANGE's end is inclusive: an empty range cannot be asked for
+                commands.append(("GETRANGE", n.body, start, end - 1))
     await conn.send_packed_command(conn.pack_commands(commands))
     stream: asyncio.StreamReader = conn._reader
     for v in values:
-        await _read_length(stream, v)
+        await _read_head(stream, v)
+        await _read_body_length(stream, v)
     for g, (lo, hi) in enumerate(groups):
         for v in values:
-            await _read_group(stream, v, lo, hi, g == 0)
+            start, end = v.body_span(lo, hi)
+            if start < end:
+                await _read_range(stream, v, start, end)
+            v.add_tail(lo, hi)
         on_group(g)
     return values
 
 
-async def _read_length(stream: asyncio.StreamReader, v: RangedValue) -> None:
-    """Read one STRLEN reply: a value of another size than a raw chunk's fails ``v``."""
+async def _error_or_line(stream: asyncio.StreamReader, v: RangedValue) -> bytes | None:
+    """The next reply's first line, or None after failing ``v`` for an error reply (e.g. WRONGTYPE)."""
     line = await stream.readuntil(b"\r\n")
     if line[:1] == b"-":
-        v.error = serde.ChunkFormatError(f"not a string value: {line[1:80]!r}")
+        v.fail(serde.ChunkFormatError(f"not a string value: {line[1:80]!r}"))
+        return None
+    return line
+
+
+async def _read_head(stream: asyncio.StreamReader, v: RangedValue) -> None:
+    """Read a head's GET reply: check its header, keep its tail."""
+    line = await _error_or_line(stream, v)
+    size = -1 if line is None else parse_bulk_size(line)
+    if size < 0:
+        return
+    head = await stream.readexactly(min(size, serde.HEADER_SIZE))
+    v.nbytes += size
+    try:
+        header = check_head(head, size, v.key, tuple(v.out.shape), v.out.dtype)
+        if header.compression != serde.COMPRESSION_CODES["none"] or header.payload_len != len(v.dst):
+            raise serde.ChunkFormatError("not a raw chunk of this shape")
+    except serde.ChunkFormatError as e:
+        v.fail(e)
+        await skip_reply(stream, size - len(head))
+        return
+    v.tail = await stream.readexactly(size - len(head))
+    await skip_reply(stream, 0)
+    v.header = header
+
+
+async def _read_body_length(stream: asyncio.StreamReader, v: RangedValue) -> None:
+    """Read a body's STRLEN reply (0: no body); a body of another size fails ``v``."""
+    line = await _error_or_line(stream, v)
+    if line is None:
         return
     if line[:1] != b":":
         raise ProtocolError(f"unexpected reply to STRLEN: {line[:80]!r}")
     size = int(line[1:-2])
-    if size and size != serde.HEADER_SIZE + len(v.dst):
-        v.error = serde.ChunkFormatError(f"value is {size} bytes, a raw chunk {serde.HEADER_SIZE + len(v.dst)}")
+    if v.reading and v.header is not None:
+        if size == 0:
+            v.fail(HalfChunk("body missing"))
+        elif size != body_len(v.header):
+            v.fail(serde.ChunkFormatError(f"body is {size} bytes, its header says {body_len(v.header)}"))
 
 
-async def _read_group(stream: asyncio.StreamReader, v: RangedValue, lo: int, hi: int, first: bool) -> None:
-    """Read one GETRANGE reply into ``v``'s chunk (or past it once ``v`` failed)."""
-    start, end = v.span(lo, hi, first)
-    line = await stream.readuntil(b"\r\n")
-    if line[:1] != b"$":
-        if line[:1] == b"-":  # e.g. WRONGTYPE
-            v.error = v.error or serde.ChunkFormatError(f"not a string value: {line[1:80]!r}")
-            return
-        raise ProtocolError(f"unexpected reply to GETRANGE: {line[:80]!r}")
-    try:
-        size = int(line[1:-2])
-    except ValueError:
-        raise ProtocolError(f"bad bulk length in {line[:80]!r}") from None
-    if v.error is not None or size != end - start + 1:
-        if v.error is None and (size or not first):  # an empty first range: the key is missing
-            v.error = serde.ChunkFormatError(f"value range is {size} bytes, expected {end - start + 1}")
-        await skip_reply(stream, size)
+async def _read_range(stream: asyncio.StreamReader, v: RangedValue, start: int, end: int) -> None:
+    """Read one GETRANGE reply into ``v``'s chunk bytes ``[start, end)`` (or past it once ``v`` failed)."""
+    line = await _error_or_line(stream, v)
+    if line is None:
         return
-    if first:
-        try:
-            v.header = _checked_header(await stream.readexactly(serde.HEADER_SIZE), v)
-        except serde.ChunkFormatError as e:
-            v.error = e
-            await skip_reply(stream, size - serde.HEADER_SIZE)
-            return
-        start = serde.HEADER_SIZE
-    lo_byte = start - serde.HEADER_SIZE
-    await read_into(stream, v.dst[lo_byte : end + 1 - serde.HEADER_SIZE], v.hasher)
+    size = parse_bulk_size(line)
+    if v.reading and size != end - start:  # the body changed since its STRLEN
+        v.fail(serde.ChunkFormatError(f"body range is {size} bytes, expected {end - start}"))
+    if not v.reading:
+        if size >= 0:  # a null (never from GETRANGE) has no bytes to skip
+            await skip_reply(stream, size)
+        return
+    await read_into(stream, v.dst[start:end], v.hasher)
     await skip_reply(stream, 0)
     v.nbytes += size
-
-
-def _checked_header(head: bytes, v: RangedValue) -> serde.ChunkHeader:
-    header = serde.decode_header(head)
-    serde.check_header(header, v.key, tuple(v.out.shape), v.out.dtype)
-    if header.compression != serde.COMPRESSION_CODES["none"] or header.payload_len != len(v.dst):
-        raise serde.ChunkFormatError("not a raw chunk of this shape")
-    return header

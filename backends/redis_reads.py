@@ -1,13 +1,16 @@
-"""Reading the Redis tier's ``GET`` replies into staging objects (used by ``backends/redis.py``).
+"""Reading the Redis tier's chunks into staging objects, one ``MGET head body`` reply each
+(used by ``backends/redis.py``; the two-key layout is in ``backends/redis_pairs.py``).
 
-``read_reply`` reads one RESP2/RESP3 ``GET`` reply from a connection's stream itself instead of
+``read_reply`` reads one RESP2/RESP3 ``MGET`` reply from a connection's stream itself instead of
 through redis-py's reply parser, which copies each value several times (into the parser's
 buffer, growing it, then into a new ``bytes``) before the tier could check it and copy it again.
-Here the header is parsed from the value's first ``serde.HEADER_SIZE`` bytes, and the payload is
-hashed and copied straight from the stream's read buffer into the staging tensor, one slice at a
-time while it is still in cache. lz4 payloads are read whole, then decoded.
+The head comes first: its header is checked and its tail kept; then the body is hashed and
+copied straight from the stream's read buffer into the staging tensor, one slice at a time
+while it is still in cache, and the tail goes after it. lz4 payloads are read whole, then decoded.
+One ``MGET`` reads both keys at one instant, so a chunk written or deleted meanwhile is seen
+whole or not at all; only a key Redis evicted or expired alone makes a ``HalfChunk``.
 
-``decode_value`` turns a value redis-py already read (the cluster path) into the same ``Reply``.
+``decode_pair`` turns values redis-py already read (the cluster path) into the same ``Reply``.
 Both follow the serde format's checks: any mismatch is a ``Reply`` with ``error`` set, never data.
 """
 
@@ -25,11 +28,13 @@ from kvlayer import serde
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import Arena, MemoryObj
 
+from .redis_pairs import HalfChunk, check_body, check_head
+
 _READ_SIZE = 1 << 20
 
 
 class ProtocolError(ConnectionError):
-    """The connection's stream holds something other than a ``GET`` reply: it cannot be reused."""
+    """The connection's stream holds something other than the expected reply: it cannot be reused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +49,10 @@ class Expected:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A ``GET`` reply for one key: ``obj`` on a hit (one reference, owned by the caller);
-    ``stored`` whether the key held a value; ``error`` why that value is not the key's chunk
-    (``stored`` with neither ``obj`` nor ``error``: the staging arena was full); ``nbytes`` its size."""
+    """A chunk read: ``obj`` on a hit (one reference, owned by the caller); ``stored`` whether
+    either of its keys held a value; ``error`` why the values are not the key's chunk (a
+    ``HalfChunk`` when one key is missing; ``stored`` with neither ``obj`` nor ``error``: the
+    staging arena was full); ``nbytes`` the values' size."""
 
     obj: MemoryObj | None
     stored: bool
@@ -58,40 +64,48 @@ MISS = Reply(None, False)
 
 
 async def read_reply(stream: asyncio.StreamReader, want: Expected) -> Reply:
-    """Read one ``GET`` reply from ``stream``; ProtocolError (or the stream's own errors) if the
-    stream breaks or holds no such reply, after which the connection must be dropped."""
+    """Read one ``MGET head body`` reply from ``stream``; ProtocolError (or the stream's own
+    errors) if the stream breaks or holds no such reply, after which the connection must be dropped."""
     line = await stream.readuntil(b"\r\n")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b"$":
+    if line[:1] == b"-":  # e.g. NOPERM
+        return Reply(None, True, serde.ChunkFormatError(f"error reply: {line[1:-2].decode(errors='replace')[:80]}"))
+    if line != b"*2\r\n":
+        raise ProtocolError(f"unexpected reply to MGET: {line[:80]!r}")
+    head_size = await bulk_size(stream)
+    header, tail, error = await _read_head(stream, head_size, want) if head_size >= 0 else (None, b"", None)
+    size = await bulk_size(stream)
+    nbytes = max(head_size, 0) + max(size, 0)
+    if head_size < 0 and size < 0:
+        return MISS
+    if header is not None and size >= 0:
         try:
-            size = int(rest)
-        except ValueError:
-            raise ProtocolError(f"bad bulk length in {line[:80]!r}") from None
-        return MISS if size < 0 else await _read_value(stream, size, want)
-    if kind == b"_":  # RESP3's null
-        return MISS
-    if kind == b"-":  # e.g. WRONGTYPE: the key holds something that is not a string
-        error = serde.ChunkFormatError(f"not a string value: {rest.decode(errors='replace')[:80]}")
-        return Reply(None, True, error)
-    raise ProtocolError(f"unexpected reply to GET: {line[:80]!r}")
+            check_body(header, size)
+        except serde.ChunkFormatError as e:
+            error = e
+        else:
+            return await _read_body(stream, header, size, tail, nbytes, want)
+    if size >= 0:
+        await skip_reply(stream, size)
+    return Reply(None, True, error or HalfChunk(f"{'body' if size < 0 else 'head'} missing"), nbytes)
 
 
-def decode_value(value: Any, want: Expected) -> Reply:
-    """The ``Reply`` for a value redis-py read (bytes, None for a miss, or an error reply)."""
-    if value is None:
+def decode_pair(head: Any, body: Any, want: Expected) -> Reply:
+    """The ``Reply`` for a head and a body value redis-py read (bytes, or None for a missing key)."""
+    if head is None and body is None:
         return MISS
-    if not isinstance(value, bytes):
-        return Reply(None, True, serde.ChunkFormatError(f"not a string value: {value!r:.80}"))
-    view = memoryview(value)
+    if not isinstance(head, bytes) or not isinstance(body, bytes):
+        return Reply(None, True, HalfChunk(f"{'body' if body is None else 'head'} missing"), len(head or body or b""))
+    nbytes = len(head) + len(body)
     try:
-        header = _checked_header(view[: serde.HEADER_SIZE], len(value), want)
+        header = check_head(head, len(head), want.key, want.shape, want.dtype)
+        check_body(header, len(body))
     except serde.ChunkFormatError as e:
-        return Reply(None, True, e, len(value))
-    return _decoded(header, view[serde.HEADER_SIZE:], len(value), want)
+        return Reply(None, True, e, nbytes)
+    return _decoded(header, body + head[serde.HEADER_SIZE:], nbytes, want)
 
 
 def _decoded(header: serde.ChunkHeader, payload: bytes | memoryview, size: int, want: Expected) -> Reply:
-    """The reply for a value of ``size`` bytes with a checked ``header`` and its ``payload``."""
+    """The reply for values of ``size`` bytes with a checked ``header`` and their ``payload``."""
     obj = want.staging.allocate(header.shape, header.dtype)
     if obj is None:
         return Reply(None, True, None, size)
@@ -106,43 +120,63 @@ def _decoded(header: serde.ChunkHeader, payload: bytes | memoryview, size: int, 
     return Reply(obj, True, None, size)
 
 
-def _checked_header(head: bytes | memoryview, size: int, want: Expected) -> serde.ChunkHeader:
-    """The header of a ``size``-byte value starting with ``head``, if it is ``want``'s chunk."""
-    header = serde.decode_header(head)
-    serde.check_header(header, want.key, want.shape, want.dtype)
-    if size != serde.HEADER_SIZE + header.payload_len:
-        raise serde.ChunkFormatError(f"value is {size} bytes, header says {serde.HEADER_SIZE + header.payload_len}")
-    return header
-
-
-async def _read_value(stream: asyncio.StreamReader, size: int, want: Expected) -> Reply:
-    """The reply for a ``size``-byte value whose bytes (then CRLF) come next on ``stream``."""
+async def _read_head(stream: asyncio.StreamReader, size: int,
+                     want: Expected) -> tuple[serde.ChunkHeader | None, bytes, serde.ChunkFormatError | None]:
+    """Read a ``size``-byte head (then CRLF): ``(header, tail, None)`` if it is ``want``'s, else
+    ``(None, b"", why)``."""
     head = await stream.readexactly(min(size, serde.HEADER_SIZE))
     try:
-        header = _checked_header(head, size, want)
+        header = check_head(head, size, want.key, want.shape, want.dtype)
     except serde.ChunkFormatError as e:
         await skip_reply(stream, size - len(head))
-        return Reply(None, True, e, size)
+        return None, b"", e
+    tail = await stream.readexactly(size - len(head))
+    await skip_reply(stream, 0)
+    return header, tail, None
+
+
+async def _read_body(stream: asyncio.StreamReader, header: serde.ChunkHeader, size: int, tail: bytes,
+                     nbytes: int, want: Expected) -> Reply:
+    """The reply for a checked head and the ``size``-byte body (then CRLF) coming next on ``stream``."""
     if header.compression != serde.COMPRESSION_CODES["none"]:
-        payload = await stream.readexactly(header.payload_len)
+        body = await stream.readexactly(size)
         await skip_reply(stream, 0)
-        return _decoded(header, payload, size, want)
+        return _decoded(header, body + tail, nbytes, want)
     obj = want.staging.allocate(header.shape, header.dtype)
     if obj is None:
-        await skip_reply(stream, header.payload_len)
-        return Reply(None, True, None, size)
+        await skip_reply(stream, size)
+        return Reply(None, True, None, nbytes)
     try:
         hasher = xxhash.xxh3_64()
-        await read_into(stream, obj.tensor.view(-1).view(torch.uint8).numpy(), hasher)
-        checksum = hasher.intdigest()
+        dst = obj.tensor.view(-1).view(torch.uint8).numpy()
+        await read_into(stream, dst[:size], hasher)
         await skip_reply(stream, 0)
+        hasher.update(tail)
+        dst[size:] = np.frombuffer(tail, dtype=np.uint8)
     except BaseException:
         obj.release()
         raise
-    if checksum != header.payload_checksum:
+    if hasher.intdigest() != header.payload_checksum:
         obj.release()
-        return Reply(None, True, serde.ChunkFormatError("payload checksum mismatch"), size)
-    return Reply(obj, True, None, size)
+        return Reply(None, True, serde.ChunkFormatError("payload checksum mismatch"), nbytes)
+    return Reply(obj, True, None, nbytes)
+
+
+async def bulk_size(stream: asyncio.StreamReader) -> int:
+    """Read a bulk string's length line: its size, or -1 for a null (RESP2 ``$-1``, RESP3 ``_``)."""
+    return parse_bulk_size(await stream.readuntil(b"\r\n"))
+
+
+def parse_bulk_size(line: bytes) -> int:
+    """The size a bulk string's length ``line`` announces, or -1 for a null; ProtocolError if it is none."""
+    if line == b"_\r\n":
+        return -1
+    if line[:1] != b"$":
+        raise ProtocolError(f"expected a bulk string, got {line[:80]!r}")
+    try:
+        return max(int(line[1:-2]), -1)
+    except ValueError:
+        raise ProtocolError(f"bad bulk length in {line[:80]!r}") from None
 
 
 async def read_into(stream: asyncio.StreamReader, out: np.ndarray, hasher: Any) -> None:

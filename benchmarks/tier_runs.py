@@ -97,12 +97,16 @@ async def measure_tier(tier: str, config: KVLayerConfig, batch: Batch, repeat: i
 
 
 def redis_memory_ratio(config: KVLayerConfig, batch: Batch) -> float:
-    """Redis memory (``MEMORY USAGE``, value and key overheads) per byte of KV, over the batch's
-    keys under ``config``'s prefix (still stored by ``measure_tier``'s last run); then deletes them."""
+    """Redis memory (``MEMORY USAGE`` of both keys of each chunk: values, names and overheads) per
+    byte of KV, over the batch's chunks under ``config``'s prefix (still stored by
+    ``measure_tier``'s last run); then deletes them."""
     import redis
 
-    client = redis.Redis.from_url(config.redis_url, socket_timeout=60)
-    names = [f"{config.redis_key_prefix}:{k.hex}" for k in batch.keys]
+    from kvlayer.backends.redis_pairs import chunk_names
+
+    client = redis.Redis.from_url(str(config.redis_url), socket_timeout=60)
+    prefix = f"{config.redis_key_prefix}:".encode()
+    names = [name for k in batch.keys for name in chunk_names(prefix, k)]
     try:
         used = [client.memory_usage(n, samples=0) for n in names]
         if any(u is None for u in used):

@@ -10,9 +10,9 @@ the raw ceiling measured in the same run (``kvlayer.benchmarks.tier_ceilings``):
   it is timed with the one copy any consumer makes out of them. Ceiling: memcpy.
 - nvme: put writes files (no fsync, the tier's default); get reads them warm (still in the
   page cache) and cold (dropped first). Ceiling: plain sequential file writes and reads.
-- redis: pipelined ``SET NX``/``GET`` of header + payload values. Ceiling: raw redis-py
-  pipelined ``SET``/``GET`` of values of the same size. Also Redis memory (``MEMORY USAGE``)
-  per byte of KV.
+- redis: pipelined ``MSETNX``/``MGET`` of each chunk's two keys (header + the payload's
+  last bytes, and the rest of the payload). Ceiling: raw redis-py pipelined ``SET``/``GET`` of
+  values of the chunk's size. Also Redis memory (``MEMORY USAGE`` of both keys) per byte of KV.
 
 Throughput counts KV bytes (the raw chunk, before lz4) per second; data is random float32
 (real-valued KV barely compresses). ``--redis-url`` names a server; without it a local
@@ -213,8 +213,8 @@ def _ratios(tier: str, figures: dict[str, Any], ceilings: dict[str, Any]) -> dic
 def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
     """Why Redis may hold more than the goal: its allocator rounds a value up to a size class."""
     return [f"redis holds {r['memory_per_kv_byte']:.3f} bytes per KV byte at {res['chunk_tokens']} tokens "
-            f"({r['compression']}): its allocator rounds each value (header + payload) up to a size class, "
-            f"and a payload that is itself a class size always pays the next one"
+            f"({r['compression']}): its allocator rounds each of a chunk's two values up to a size class, "
+            f"and a body (the payload less 128 bytes) just above a class size pays the next one"
             for res in results for r in res["tiers"]
             if r["tier"] == "redis" and r["memory_per_kv_byte"] >= GOAL_REDIS_MEMORY]
 

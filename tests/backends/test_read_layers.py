@@ -1,5 +1,9 @@
 """``read_layers`` of the serialising tiers (NVMe files, Redis): chunks read layer group by
-layer group, signalled in order, verified once complete; a bad chunk is a miss, never data."""
+layer group, signalled in order, verified once complete; a bad chunk is a miss, never data.
+
+A Redis chunk is two keys (``backends/redis_pairs.py``): the tests edit its bytes as a file's
+(header, payload) and store them back split the same way, so each edit lands in the key that
+holds those bytes (the payload's last 128 bytes are in the head)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
 from kvlayer.storage import BackendContext, StorageBackend
 from tests.backends.test_nvme import put_keys
+from tests.backends.test_redis import chunk_bytes, store_bytes
 from tests.fakes import chunk_data, make_keys, namespace
 from tests.redis_server import RedisServer
 
@@ -84,8 +89,10 @@ def edit_stored(tier: Any, backend: StorageBackend, key: ChunkKey, edit: Callabl
         os.truncate(path, len(edit(data)))
     else:
         client = redis_sync.Redis.from_url(tier.server.url)
-        name = backend.redis_key(key)  # type: ignore[attr-defined]
-        client.set(name, edit(client.get(name)))
+        names = backend.redis_keys(key)  # type: ignore[attr-defined]
+        data = chunk_bytes(client, names)
+        assert data is not None
+        store_bytes(client, names, edit(data))
         client.close()
 
 
@@ -130,6 +137,7 @@ def test_layers_arrive_in_order_and_match(tier: Any) -> None:
 
 BAD_VALUES = {
     "last layer flipped": flip(serde.HEADER_SIZE + CHUNK_BYTES - 3),
+    "last layer flipped before its last 128 bytes": flip(serde.HEADER_SIZE + CHUNK_BYTES - 200),
     "first layer flipped": flip(serde.HEADER_SIZE + 5),
     "header flipped": flip(10),
     "truncated": lambda data: data[: serde.HEADER_SIZE + CHUNK_BYTES - LAYER_BYTES // 2],
@@ -168,7 +176,9 @@ async def _stored(tier: Any, backend: StorageBackend, key: ChunkKey) -> bytes:
         return Path(backend._index.get(key.digest).path).read_bytes()  # type: ignore[attr-defined]
     client = redis_sync.Redis.from_url(tier.server.url)
     try:
-        return client.get(backend.redis_key(key))  # type: ignore[attr-defined]
+        data = chunk_bytes(client, backend.redis_keys(key))  # type: ignore[attr-defined]
+        assert data is not None
+        return data
     finally:
         client.close()
 
@@ -191,18 +201,84 @@ def test_compressed_chunks_are_read_whole(tier: Any) -> None:
 
 
 @pytest.mark.parametrize("tier", ["redis"], indirect=True)
-def test_a_value_of_another_type_is_a_miss(tier: Any) -> None:
+@pytest.mark.parametrize("which", [0, 1], ids=["head", "body"])
+def test_a_value_of_another_type_is_a_miss(tier: Any, which: int) -> None:
     keys = keys_of(2, seed=5)
 
     async def main() -> None:
         async with tier() as backend:
-            await put(backend, keys[:1])
+            await put(backend, keys)
             client = redis_sync.Redis.from_url(tier.server.url)
-            client.rpush(backend.redis_key(keys[1]), b"not a chunk")
+            name = backend.redis_keys(keys[1])[which]
+            client.delete(name)
+            client.rpush(name, b"not a chunk")
             client.close()
             _, outs = outs_for(keys)
             assert await backend.read_layers(keys, outs, GROUPS, lambda g: None) == [True, False]
+            assert backend.stats()["checksum_errors"] == 1
             # the connection is still usable afterwards
             assert await backend.read_layers(keys[:1], outs[:1], GROUPS, lambda g: None) == [True]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("tier", ["redis"], indirect=True)
+@pytest.mark.parametrize("which", [0, 1], ids=["head", "body"])
+def test_a_chunk_missing_one_key(tier: Any, which: int) -> None:
+    """Without its head a chunk is a plain miss (its body may be a write under way: left alone);
+    a head without its body is a half chunk: a miss, counted, and both keys deleted."""
+    keys = keys_of(3, seed=6)
+
+    async def main() -> None:
+        async with tier() as backend:
+            await put(backend, keys)
+            client = redis_sync.Redis.from_url(tier.server.url)
+            names = backend.redis_keys(keys[1])
+            client.delete(names[which])
+            _, outs = outs_for(keys)
+            assert await backend.read_layers(keys, outs, GROUPS, lambda g: None) == [True, False, True]
+            stats = backend.stats()
+            assert (stats["misses"], stats["checksum_errors"], stats["half_chunks"], stats["staging_full"]) == (
+                1, 0, which, 0)
+            for _ in range(50):
+                if client.exists(*names) == 1 - which:
+                    break
+                await asyncio.sleep(0.02)
+            assert client.exists(*names) == 1 - which
+            client.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("layer_bytes", [128, 64, 32])
+def test_a_tail_spanning_whole_layer_groups(layer_bytes: int) -> None:
+    """Layers so small that the head's 128 payload bytes hold the last layer(s) whole: those
+    groups ask Redis for no body range, and still arrive in order and verified."""
+    layout = KVLayout(num_layers=6, num_kv_heads=1, head_dim=layer_bytes // 32, dtype=torch.float32, block_size=4)
+    keys = make_keys(3, 9, namespace(chunk_size=4, layout=layout))
+    groups = [(i, i + 1) for i in range(6)]
+    size = layout.chunk_bytes(4)
+
+    async def main() -> None:
+        with RedisServer() as server:
+            cfg = KVLayerConfig(chunk_size=4, cpu_capacity=0, redis_url=server.url)
+            backend = RedisBackend.create(BackendContext(cfg, layout, torch.device("cpu"), Arena(4 * size, size)))
+            assert backend is not None
+            try:
+                await put_keys(backend, keys, layout)  # type: ignore[arg-type]
+                arena = Arena(3 * size, size)
+                outs = [arena.allocate(layout.chunk_shape(4), layout.dtype) for _ in keys]
+                seen: list[int] = []
+
+                def on_group(g: int) -> None:
+                    assert all(torch.equal(o.tensor[g], chunk_data(k, layout)[g]) for k, o in zip(keys, outs))
+                    seen.append(g)
+
+                assert await backend.read_layers(keys, outs, groups, on_group) == [True] * 3  # type: ignore[arg-type]
+                assert seen == list(range(6))
+                for o in outs:
+                    o.release()  # type: ignore[union-attr]
+            finally:
+                await backend.close()
 
     asyncio.run(main())

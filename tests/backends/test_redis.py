@@ -1,5 +1,6 @@
-"""Tests of the Redis tier (backends/redis.py) against throwaway servers: round trips, key layout,
-TTL, a second process reading, prefix lookups, ACL passwords and TLS.
+"""Tests of the Redis tier (backends/redis.py) against throwaway servers: round trips, the
+two-key layout and its memory per KV byte, TTL, a second process reading, prefix lookups, ACL
+passwords and TLS.
 
 Run: ``.venv/bin/python -m pytest tests/backends/test_redis.py`` (skips without redis-server).
 Fault injection lives in ``test_redis_faults.py``, which reuses the helpers defined here (as
@@ -23,7 +24,9 @@ import redis as redis_sync
 import torch
 
 from kvlayer import serde
+from kvlayer.backends import redis_pairs
 from kvlayer.backends.redis import RedisBackend
+from kvlayer.backends.redis_pairs import ChunkNames
 from kvlayer.config import KVLayerConfig
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
@@ -109,6 +112,28 @@ def sync_client(url: str, **kw: Any) -> redis_sync.Redis:
     return redis_sync.Redis.from_url(url, socket_timeout=5, **kw)
 
 
+def names_of(key: ChunkKey, prefix: str = "kvlayer") -> ChunkNames:
+    """The two Redis keys of ``key``'s chunk (head, body), spelled out as the docs give them."""
+    head = f"{prefix}:{{{key.hex}}}".encode()
+    return ChunkNames(head, head + b":b")
+
+
+def chunk_bytes(client: redis_sync.Redis, names: ChunkNames) -> bytes | None:
+    """A chunk's bytes as a chunk file holds them (header, payload), joined from its two keys;
+    None when either key holds no string."""
+    head, body = client.mget(names)
+    if head is None or body is None:
+        return None
+    return head[: serde.HEADER_SIZE] + body + head[serde.HEADER_SIZE :]
+
+
+def store_bytes(client: redis_sync.Redis, names: ChunkNames, data: bytes) -> None:
+    """Store ``data`` (a header, then a payload: edited at will) as a chunk's two keys, split as
+    the tier splits them (the payload's last ``tail_len`` bytes after the header, in the head)."""
+    cut = len(data) - redis_pairs.tail_len(max(len(data) - serde.HEADER_SIZE, 0))
+    client.mset({names.head: data[: serde.HEADER_SIZE] + data[cut:], names.body: data[serde.HEADER_SIZE : cut]})
+
+
 # --- tests ------------------------------------------------------------------------------
 def test_create_is_lazy_and_needs_a_url() -> None:
     assert RedisBackend.create(make_ctx(None)) is None
@@ -141,26 +166,67 @@ def test_round_trip_is_exact(redis_server: RedisServer, compression: str) -> Non
     run(main())
 
 
-def test_one_key_per_chunk_holding_header_and_payload(redis_server: RedisServer) -> None:
+def test_two_keys_per_chunk_in_one_slot(redis_server: RedisServer) -> None:
+    """Head: header + the payload's last 128 bytes; body: the rest of the payload; together
+    exactly the bytes of a chunk file, under one hash tag."""
+    from redis.crc import key_slot
+
     keys = keys_of(3)
 
     async def main() -> RedisBackend:
         async with opened(redis_server.url, redis_key_prefix="kvtest") as backend:
             await put_keys(backend, keys)
+            assert [backend.redis_keys(k) for k in keys] == [names_of(k, "kvtest") for k in keys]
             return backend
 
     backend = run(main())
     client = sync_client(redis_server.url)
-    names = sorted(client.keys("*"))
-    assert names == sorted(f"kvtest:{k.hex}".encode() for k in keys)
+    assert sorted(client.keys("*")) == sorted(n for k in keys for n in names_of(k, "kvtest"))
     for key in keys:
-        value = client.get(f"kvtest:{key.hex}")
-        assert value is not None and value.startswith(serde.MAGIC)
-        assert len(value) == serde.HEADER_SIZE + CHUNK_BYTES
-        header = serde.decode_header(value)
-        serde.check_header(header, key, LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype)
-    assert client.ttl(f"kvtest:{keys[0].hex}") == -1  # no TTL unless configured
-    assert sorted(backend.keys()) == sorted(k.digest for k in keys)
+        names = names_of(key, "kvtest")
+        head, body = client.mget(names)
+        assert len(head) == serde.HEADER_SIZE + redis_pairs.TAIL and len(body) == CHUNK_BYTES - redis_pairs.TAIL
+        header, payload = serde.encode_chunk(key, chunk_data(key, LAYOUT))
+        assert chunk_bytes(client, names) == header + bytes(payload)
+        assert key_slot(names.head) == key_slot(names.body)
+        assert client.ttl(names.head) == client.ttl(names.body) == -1  # no TTL unless configured
+    assert sorted(backend.keys()) == sorted(k.digest for k in keys), "one digest per chunk (its head)"
+
+
+@pytest.mark.parametrize("payload_mib", [1, 2])
+def test_memory_per_kv_byte_is_under_1_05(redis_server: RedisServer, payload_mib: int) -> None:
+    """A payload that is itself an allocator size class (KV chunks usually are) costs Redis
+    under 5% more than its bytes; the same chunk in one value (header + payload) costs 25% more."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16)
+    tokens = payload_mib * 512
+    nbytes = layout.chunk_bytes(tokens)
+    assert nbytes == payload_mib << 20
+    keys = make_keys(2, 3, namespace(chunk_size=tokens, layout=layout))
+    cfg = KVLayerConfig(chunk_size=tokens, cpu_capacity=0, redis_url=redis_server.url)
+    source = Arena(2 * nbytes, nbytes, name="source")
+    chunks = [make_chunk(source, k, layout) for k in keys]
+
+    async def main() -> None:
+        backend = RedisBackend.create(BackendContext(cfg, layout, torch.device("cpu"), Arena(nbytes, nbytes)))
+        assert backend is not None
+        try:
+            await backend.put_many(keys, chunks)
+        finally:
+            await backend.close()
+
+    try:
+        run(main())
+        client = sync_client(redis_server.url)
+        client.set("one value", serde.HEADER_SIZE * b"h" + bytes(chunks[0].tensor.view(-1).view(torch.uint8).numpy()))
+    finally:
+        for c in chunks:
+            c.release()
+    one_value = client.memory_usage("one value", samples=0) / nbytes
+    if one_value < 1.1:
+        pytest.skip(f"this redis-server's allocator does not round values up to size classes ({one_value:.3f})")
+    for key in keys:
+        used = sum(client.memory_usage(n, samples=0) for n in names_of(key)) / nbytes
+        assert used < 1.05, f"{used:.3f} bytes of Redis memory per KV byte (one value: {one_value:.3f})"
 
 
 def test_ttl_is_set_when_configured(redis_server: RedisServer) -> None:
@@ -169,10 +235,13 @@ def test_ttl_is_set_when_configured(redis_server: RedisServer) -> None:
     async def main() -> None:
         async with opened(redis_server.url, redis_ttl_s=100) as backend:
             await put_keys(backend, keys)
+            await put_keys(backend, keys)  # present already: MSETNX writes nothing
+            assert backend.stats()["puts"] == 2, "the MSETNX replies are read out of the MULTI's EXEC"
+            assert check_and_release(await backend.get_many(keys), keys) == [True, True]
 
     run(main())
     client = sync_client(redis_server.url)
-    assert all(0 < client.ttl(f"kvlayer:{k.hex}") <= 100 for k in keys)
+    assert all(0 < client.ttl(n) <= 100 for k in keys for n in names_of(k))
 
 
 def test_database_number_in_the_url(redis_server: RedisServer) -> None:
@@ -183,7 +252,7 @@ def test_database_number_in_the_url(redis_server: RedisServer) -> None:
             await put_keys(backend, keys)
 
     run(main())
-    assert sync_client(redis_server.url + "/3").exists(f"kvlayer:{keys[0].hex}") == 1
+    assert sync_client(redis_server.url + "/3").exists(*names_of(keys[0])) == 2
     assert sync_client(redis_server.url + "/0").dbsize() == 0
 
 
@@ -243,7 +312,7 @@ def test_a_full_staging_arena_makes_misses(redis_server: RedisServer) -> None:
             assert backend.stats()["checksum_errors"] == 0
 
     run(main())
-    assert sync_client(redis_server.url).dbsize() == 4  # nothing deleted
+    assert sync_client(redis_server.url).dbsize() == 8  # nothing deleted (two keys a chunk)
 
 
 def test_usage_reports_the_servers_memory() -> None:

@@ -3,8 +3,10 @@ a Redis Cluster losing a node.
 
 A dead or frozen server makes calls raise within ``tier_timeout_ms`` (the tier manager turns
 that into misses), never hang; the same backend object serves hits again once the server is
-back. A corrupted value is a miss and a ``checksum_errors`` count, never wrong data, and is
-deleted. In a cluster, a dead node's chunks fail fast while the other nodes' chunks still read.
+back. A corrupted value, in either of a chunk's two keys, is a miss and a ``checksum_errors``
+count, never wrong data, and both keys are deleted; a chunk that lost one of its keys (Redis
+evicts and expires keys one by one) is a miss and a ``half_chunks`` count, deleted too, and can
+be stored again. In a cluster, a dead node's chunks fail fast while the other nodes' chunks still read.
 Run: ``.venv/bin/python -m pytest tests/backends/test_redis_faults.py`` (skips without redis-server).
 """
 
@@ -19,15 +21,19 @@ import pytest
 import redis as redis_sync
 
 from kvlayer import serde
+from kvlayer.backends.redis_pairs import ChunkNames
 from kvlayer.keys import ChunkKey
 from tests.backends.test_redis import (
     CHUNK_BYTES,
     check_and_release,
+    chunk_bytes,
     keys_of,
+    names_of,
     opened,
     put_keys,
     run,
     sampled_usage,
+    store_bytes,
     sync_client,
 )
 from tests.redis_server import RedisClusterNodes, RedisServer
@@ -153,79 +159,140 @@ def test_unreachable_server_at_start_fails_fast() -> None:
     run(main())
 
 
-# --- corrupted values ---------------------------------------------------------------------
-Corruption = Callable[[redis_sync.Redis, str, bytes, bytes], Any]
-"""Replaces the value under a name, given the client, the name, its value and another key's."""
+# --- corrupted values and half chunks ------------------------------------------------------
+Corruption = Callable[[redis_sync.Redis, ChunkNames, ChunkNames], Any]
+"""Spoils a chunk in Redis, given the client, the chunk's names and another chunk's."""
 
 
-def rewrite(transform: Callable[[bytes, bytes], bytes]) -> Corruption:
-    return lambda client, name, value, other: client.set(name, transform(value, other))
+def edit(transform: Callable[[bytes, bytes], bytes]) -> Corruption:
+    """The chunk's bytes (header + payload, as in a file) replaced by ``transform(them, another
+    chunk's)``, then stored split as the tier splits them."""
+    def corrupt(client: redis_sync.Redis, names: ChunkNames, other: ChunkNames) -> None:
+        data, theirs = chunk_bytes(client, names), chunk_bytes(client, other)
+        assert data is not None and theirs is not None
+        store_bytes(client, names, transform(data, theirs))
+    return corrupt
 
 
 def flip(offset: int) -> Corruption:
-    def transform(value: bytes, other: bytes) -> bytes:
-        data = bytearray(value)
-        data[offset] ^= 0x04
-        return bytes(data)
-    return rewrite(transform)
+    def transform(data: bytes, other: bytes) -> bytes:
+        b = bytearray(data)
+        b[offset] ^= 0x04
+        return bytes(b)
+    return edit(transform)
 
 
-def as_list(client: redis_sync.Redis, name: str, value: bytes, other: bytes) -> None:
-    client.delete(name)
-    client.rpush(name, value)
+def one_key(which: int, transform: Callable[[bytes, bytes], bytes | None]) -> Corruption:
+    """One key (0: head, 1: body) replaced by ``transform(its value, the other chunk's same key)``;
+    None deletes it."""
+    def corrupt(client: redis_sync.Redis, names: ChunkNames, other: ChunkNames) -> None:
+        value = transform(client.get(names[which]), client.get(other[which]))
+        client.delete(names[which]) if value is None else client.set(names[which], value)
+    return corrupt
 
 
+def as_list(which: int) -> Corruption:
+    def corrupt(client: redis_sync.Redis, names: ChunkNames, other: ChunkNames) -> None:
+        client.delete(names[which])
+        client.rpush(names[which], b"not a string")
+    return corrupt
+
+
+HEAD, BODY = 0, 1
 CORRUPTIONS: dict[str, Corruption] = {
-    "payload bit flip": flip(serde.HEADER_SIZE + 77),
-    "last byte bit flip": flip(-1),
+    "payload bit flip (body)": flip(serde.HEADER_SIZE + 77),
+    "last body byte bit flip": flip(-129),
+    "last byte bit flip (head)": flip(-1),
     "header key bit flip": flip(10),
-    "truncated payload": rewrite(lambda value, other: value[:-100]),
-    "truncated header": rewrite(lambda value, other: value[: serde.HEADER_SIZE - 5]),
-    "extra bytes": rewrite(lambda value, other: value + b"\0" * 8),
-    "another key's value": rewrite(lambda value, other: other),
-    "garbage": rewrite(lambda value, other: b"not a chunk at all" * 300),
-    "empty": rewrite(lambda value, other: b""),
-    "a list, not a string": as_list,
+    "truncated payload": edit(lambda data, other: data[:-100]),
+    "truncated header": edit(lambda data, other: data[: serde.HEADER_SIZE - 5]),
+    "extra bytes": edit(lambda data, other: data + b"\0" * 8),
+    "another key's chunk": edit(lambda data, other: other),
+    "another key's head": one_key(HEAD, lambda value, other: other),
+    "another key's body": one_key(BODY, lambda value, other: other),
+    "head and body swapped": lambda client, names, other: client.mset(
+        dict(zip(names, reversed(client.mget(names))))),
+    "truncated head": one_key(HEAD, lambda value, other: value[:-1]),
+    "longer body": one_key(BODY, lambda value, other: value + b"x"),
+    "garbage head": one_key(HEAD, lambda value, other: b"not a chunk at all" * 300),
+    "garbage body": one_key(BODY, lambda value, other: b"not a chunk at all" * 300),
+    "empty head": one_key(HEAD, lambda value, other: b""),
+    "empty body": one_key(BODY, lambda value, other: b""),
 }
+HALVES: dict[str, Corruption] = {
+    "head deleted": one_key(HEAD, lambda value, other: None),
+    "body deleted": one_key(BODY, lambda value, other: None),
+    "head is a list": as_list(HEAD),
+    "body is a list": as_list(BODY),
+}
+"""Chunks left with one string key (MGET reads a key of another type as missing)."""
 
 
-@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS) + sorted(HALVES))
 def test_corrupted_value_is_a_counted_miss(redis_server: RedisServer, name: str) -> None:
     keys = keys_of(4)
     victim, other = keys[1], keys[2]
+    client = sync_client(redis_server.url)
+    counter = "checksum_errors" if name in CORRUPTIONS else "half_chunks"
+
+    async def main() -> None:
+        async with opened(redis_server.url, tier_timeout_ms=TIMEOUT_MS) as backend:
+            await put_keys(backend, keys)
+            {**CORRUPTIONS, **HALVES}[name](client, names_of(victim), names_of(other))
+            assert check_and_release(await backend.get_many(keys), keys) == [True, False, True, True]
+            stats = backend.stats()
+            assert (stats[counter], stats["checksum_errors"] + stats["half_chunks"]) == (1, 1)
+            await wait_until_gone(client, victim)
+            assert check_and_release(await backend.get_many(keys), keys) == [True, False, True, True]
+            errors = ("checksum_errors", "half_chunks")
+            assert [backend.stats()[c] for c in errors] == [stats[c] for c in errors], "now a plain miss"
+            await put_keys(backend, keys)
+            assert check_and_release(await backend.get_many(keys), keys) == [True] * 4, "stored again"
+            assert backend._staging.used_count == 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("name", ["head deleted", "body deleted"])
+def test_a_lookup_drops_a_half_chunk_so_it_can_be_stored_again(redis_server: RedisServer, name: str) -> None:
+    """A half chunk blocks MSETNX; the lookup the tier manager makes before each write deletes it
+    (a key of another type counts in EXISTS: that corruption is found by the read)."""
+    keys = keys_of(3)
     client = sync_client(redis_server.url)
 
     async def main() -> None:
         async with opened(redis_server.url, tier_timeout_ms=TIMEOUT_MS) as backend:
             await put_keys(backend, keys)
-            victim_name = f"kvlayer:{victim.hex}"
-            CORRUPTIONS[name](client, victim_name, client.get(victim_name), client.get(f"kvlayer:{other.hex}"))
-            assert check_and_release(await backend.get_many(keys), keys) == [True, False, True, True]
-            assert backend.stats()["checksum_errors"] == 1
-            await wait_until_gone(client, victim)
-            assert check_and_release(await backend.get_many(keys), keys) == [True, False, True, True]
-            assert backend.stats()["checksum_errors"] == 1  # now a plain miss
-            assert backend._staging.used_count == 0
+            HALVES[name](client, names_of(keys[1]), names_of(keys[2]))
+            await put_keys(backend, keys[1:2])
+            assert backend.stats()["puts"] == 3, "MSETNX does not write over a half chunk"
+            assert await backend.contains_prefix(keys) == 1
+            assert backend.stats()["half_chunks"] == 1
+            assert client.exists(*names_of(keys[1])) == 0, "deleted before contains_prefix returned"
+            await put_keys(backend, keys[1:2])
+            assert await backend.contains_prefix(keys) == 3
+            assert check_and_release(await backend.get_many(keys), keys) == [True] * 3
 
     run(main())
 
 
 async def wait_until_gone(client: redis_sync.Redis, key: ChunkKey) -> None:
     for _ in range(200):
-        if not client.exists(f"kvlayer:{key.hex}"):
+        if not client.exists(*names_of(key)):
             return
         await asyncio.sleep(0.005)
-    raise AssertionError("the corrupt value was not deleted")
+    raise AssertionError("the corrupt chunk's keys were not deleted")
 
 
 # --- Redis Cluster ----------------------------------------------------------------------------
 def node_ports(cluster: RedisClusterNodes, keys: list[ChunkKey]) -> list[int]:
-    """The port of the node holding each key's chunk."""
+    """The port of the node holding each key's chunk (both of its keys)."""
     where = {}
     for node in cluster.nodes:
         for name in sync_client(node.url).keys("kvlayer:*"):
-            where[name.decode()] = node.port
-    return [where[f"kvlayer:{k.hex}"] for k in keys]
+            where[name] = node.port
+    assert all(where[names_of(k).head] == where[names_of(k).body] for k in keys), "one node per chunk"
+    return [where[names_of(k).head] for k in keys]
 
 
 @pytest.mark.parametrize("fault", ["kill", "pause"])
@@ -234,7 +301,8 @@ def test_cluster_spreads_chunks_and_survives_a_failed_node(redis_cluster: RedisC
     keys = keys_of(12)
 
     async def main() -> None:
-        async with opened(redis_cluster.url, redis_cluster=True, tier_timeout_ms=TIMEOUT_MS) as backend:
+        async with opened(redis_cluster.url, redis_cluster=True, tier_timeout_ms=TIMEOUT_MS,
+                          redis_ttl_s=1000) as backend:
             await put_keys(backend, keys)
             assert await backend.contains_prefix(keys) == 12
             assert check_and_release(await backend.get_many(keys), keys) == [True] * 12
@@ -242,8 +310,10 @@ def test_cluster_spreads_chunks_and_survives_a_failed_node(redis_cluster: RedisC
             assert (await sampled_usage(backend))[0] > 3 * 12 * CHUNK_BYTES  # summed over the primaries
             ports = node_ports(redis_cluster, keys)
             assert len(set(ports)) == 3, "chunks should spread over every node"
-            assert all(len(v) == serde.HEADER_SIZE + CHUNK_BYTES for v in [
-                sync_client(redis_cluster.node_of(p).url).get(f"kvlayer:{k.hex}") for k, p in zip(keys, ports)])
+            for k, p in zip(keys, ports):
+                node = sync_client(redis_cluster.node_of(p).url)
+                assert len(chunk_bytes(node, names_of(k)) or b"") == serde.HEADER_SIZE + CHUNK_BYTES
+                assert all(0 < node.ttl(n) <= 1000 for n in names_of(k)), "the expiry follows MSETNX"
 
             dead = ports[0]
             getattr(redis_cluster.node_of(dead), fault)()

@@ -1,4 +1,5 @@
-"""Tests of ``backends/redis_reads.py``: GET replies read from a stream into staging, without a server.
+"""Tests of ``backends/redis_reads.py``: ``MGET head body`` replies read from a stream into
+staging, without a server.
 
 Run: ``.venv/bin/python -m pytest tests/backends/test_redis_reads.py``.
 """
@@ -11,19 +12,28 @@ import pytest
 import torch
 
 from kvlayer import serde
-from kvlayer.backends.redis_reads import Expected, ProtocolError, Reply, decode_value, read_reply
+from kvlayer.backends.redis_pairs import HalfChunk, split
+from kvlayer.backends.redis_reads import Expected, ProtocolError, Reply, decode_pair, read_reply
 from kvlayer.memory import Arena
 from tests.backends.test_redis import CHUNK, CHUNK_BYTES, LAYOUT, keys_of
 from tests.fakes import chunk_data
 
+NIL = b"$-1\r\n"
 
-def value_of(key: object, compression: str = "none") -> bytes:
-    header, payload = serde.encode_chunk(key, chunk_data(key, LAYOUT), compression)  # type: ignore[arg-type]
-    return header + bytes(payload)
+
+def pair_of(key: object, compression: str = "none") -> tuple[bytes, bytes]:
+    """The head and body values the tier stores for ``key``."""
+    head, body = split(*serde.encode_chunk(key, chunk_data(key, LAYOUT), compression))  # type: ignore[arg-type]
+    return head, bytes(body)
 
 
 def bulk(value: bytes) -> bytes:
     return b"$%d\r\n" % len(value) + value + b"\r\n"
+
+
+def mget(head: bytes | None, body: bytes | None, nil: bytes = NIL) -> bytes:
+    """An MGET reply for two keys (``None``: a missing key)."""
+    return b"*2\r\n" + (nil if head is None else bulk(head)) + (nil if body is None else bulk(body))
 
 
 def read_all(wire: bytes, wants: list[Expected], feed_size: int = 4096) -> list[Reply]:
@@ -43,60 +53,78 @@ def expected(keys: list, slots: int = 8) -> list[Expected]:
     return [Expected(k, LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype, staging) for k in keys]
 
 
+def outcomes(replies: list[Reply]) -> list[tuple[bool, bool, type | None]]:
+    """``(stored, hit, error type)`` of each reply."""
+    return [(r.stored, r.obj is not None, type(r.error) if r.error else None) for r in replies]
+
+
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_values_misses_and_errors_in_one_stream(compression: str) -> None:
-    keys = keys_of(5)
+    keys = keys_of(7)
     wants = expected(keys)
-    bad = bytearray(value_of(keys[3]))
-    bad[-1] ^= 1
-    wire = (bulk(value_of(keys[0], compression)) + b"$-1\r\n" + b"-WRONGTYPE not a string\r\n"
-            + bulk(bytes(bad)) + b"_\r\n")
+    head, body = pair_of(keys[3])
+    bad_tail = head[:-1] + bytes([head[-1] ^ 1])
+    wire = (mget(*pair_of(keys[0], compression)) + mget(None, None) + b"-NOPERM no access\r\n"
+            + mget(bad_tail, body) + mget(None, None, nil=b"_\r\n") + mget(None, pair_of(keys[5])[1])
+            + mget(pair_of(keys[6])[0], None))
     replies = read_all(wire, wants, feed_size=777)
     assert replies[0].obj is not None and torch.equal(replies[0].obj.tensor, chunk_data(keys[0], LAYOUT))
-    assert replies[0].nbytes == len(value_of(keys[0], compression))
-    assert [(r.stored, r.obj is None, r.error is None) for r in replies[1:]] == [
-        (False, True, True), (True, True, False), (True, True, False), (False, True, True)]
+    assert replies[0].nbytes == sum(len(v) for v in pair_of(keys[0], compression))
+    assert outcomes(replies[1:]) == [(False, False, None), (True, False, serde.ChunkFormatError),
+                                     (True, False, serde.ChunkFormatError), (False, False, None),
+                                     (True, False, HalfChunk), (True, False, HalfChunk)]
     replies[0].obj.release()
     assert wants[0].staging.used_count == 0
 
 
-def test_wrong_length_or_key_is_an_error_and_the_stream_stays_in_step() -> None:
+def test_wrong_sizes_or_key_are_errors_and_the_stream_stays_in_step() -> None:
+    keys = keys_of(5)
+    wants = expected([keys[0], keys[0], keys[2], keys[0], keys[4]])
+    head, body = pair_of(keys[0])
+    wire = (mget(head, body[:-10]) + mget(head + b"x", body) + mget(*pair_of(keys[4]))
+            + mget(b"x" * 10_000, body) + mget(*pair_of(keys[4])))
+    replies = read_all(wire, wants)
+    assert "body is" in str(replies[0].error) and "head is" in str(replies[1].error)
+    assert "another key" in str(replies[2].error)
+    assert replies[3].error is not None and replies[3].nbytes == 10_000 + len(body)
+    assert replies[4].obj is not None and torch.equal(replies[4].obj.tensor, chunk_data(keys[4], LAYOUT))
+    replies[4].obj.release()
+
+
+def test_full_staging_skips_the_body() -> None:
     keys = keys_of(3)
-    wants = expected(keys)
-    wire = bulk(value_of(keys[0])[:-10]) + bulk(value_of(keys[2])) + bulk(value_of(keys[2]))
-    first, second, third = read_all(wire, wants)
-    assert first.error is not None and "value is" in str(first.error)
-    assert second.error is not None and "another key" in str(second.error)
-    assert third.obj is not None and torch.equal(third.obj.tensor, chunk_data(keys[2], LAYOUT))
-    third.obj.release()
-
-
-def test_full_staging_skips_the_value() -> None:
-    keys = keys_of(2)
     wants = expected(keys, slots=1)
-    first, second = read_all(bulk(value_of(keys[0])) + bulk(value_of(keys[1])), wants)
+    first, second, third = read_all(mget(*pair_of(keys[0])) + mget(*pair_of(keys[1])) + mget(None, None), wants)
     assert first.obj is not None
     assert (second.stored, second.obj, second.error) == (True, None, None)
+    assert third.stored is False
     first.obj.release()
 
 
-@pytest.mark.parametrize("wire", [b"+OK\r\n", b"$abc\r\n", b"$%d\r\n" % (serde.HEADER_SIZE + CHUNK_BYTES)])
+@pytest.mark.parametrize("wire", [b"+OK\r\n", b"*1\r\n" + NIL, b"*2\r\n$abc\r\n", b"*2\r\n:1\r\n",
+                                  b"*2\r\n$%d\r\n" % (serde.HEADER_SIZE + 128)])
 def test_a_broken_stream_raises_and_releases(wire: bytes) -> None:
     wants = expected(keys_of(1))
-    key = wants[0].key
-    if wire.startswith(b"$") and wire[1:2].isdigit():
-        wire += value_of(key)[: serde.HEADER_SIZE + 100]  # the server went away mid-payload
+    head, body = pair_of(wants[0].key)
+    if wire.endswith(b"$%d\r\n" % len(head)):
+        wire += head + b"\r\n" + b"$%d\r\n" % len(body) + body[:100]  # the server went away mid-body
     with pytest.raises((ProtocolError, asyncio.IncompleteReadError)):
         read_all(wire, wants)
     assert wants[0].staging.used_count == 0
 
 
-def test_decode_value_matches_read_reply() -> None:
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_decode_pair_matches_read_reply(compression: str) -> None:
     keys = keys_of(2)
     wants = expected(keys)
-    hit = decode_value(value_of(keys[0]), wants[0])
+    head, body = pair_of(keys[0], compression)
+    hit = decode_pair(head, body, wants[0])
     assert hit.obj is not None and torch.equal(hit.obj.tensor, chunk_data(keys[0], LAYOUT))
     hit.obj.release()
-    assert decode_value(None, wants[1]).stored is False
-    assert decode_value(value_of(keys[0]), wants[1]).error is not None
-    assert decode_value(b"short", wants[1]).error is not None
+    assert decode_pair(None, None, wants[1]).stored is False
+    assert isinstance(decode_pair(None, body, wants[0]).error, HalfChunk)
+    assert isinstance(decode_pair(head, None, wants[0]).error, HalfChunk)
+    assert decode_pair(head, body, wants[1]).error is not None
+    assert decode_pair(head, body[:-1], wants[0]).error is not None
+    assert decode_pair(b"short", body, wants[1]).error is not None
+    assert wants[0].staging.used_count == 0

@@ -22,8 +22,10 @@ import pytest
 import redis as redis_sync
 
 from kvlayer import serde
+from kvlayer.backends.redis_pairs import ChunkNames
 from kvlayer.engine import LLM
 from kvlayer.engine.outputs import RequestOutput
+from tests.backends.test_redis import chunk_bytes
 from tests.connectors.test_kvlayer_connector import GREEDY, C, conversation, make, run_chat
 from tests.redis_server import RedisServer
 
@@ -91,24 +93,25 @@ def staging_used(llm: LLM) -> int:
     return llm.engine.connector.engine.staging.used_count
 
 
-def redis_chunks(url: str, prefix: str = "kvlayer") -> dict[bytes, bytes]:
-    """Every value under ``prefix`` by Redis key name, read with a plain client."""
+def redis_chunks(url: str, prefix: str = "kvlayer") -> dict[bytes, bytes | None]:
+    """Every chunk under ``prefix`` by the name of its head, read with a plain client: its
+    bytes (header, payload) joined from its two keys, or None when one of them is missing."""
     client = redis_sync.Redis.from_url(url, socket_timeout=5)
     try:
-        names = sorted(client.scan_iter(match=f"{prefix}:*", count=1000))
-        return dict(zip(names, client.mget(names))) if names else {}
+        names = sorted(client.scan_iter(match=f"{prefix}:{{*}}", count=1000))
+        return {n: chunk_bytes(client, ChunkNames(n, n + b":b")) for n in names}
     finally:
         client.close()
 
 
-def valid_chunk(name: bytes, value: bytes) -> bool:
-    """Whether ``value`` is a whole chunk whose header names the key ``name`` ends with."""
+def valid_chunk(name: bytes, value: bytes | None) -> bool:
+    """Whether ``value`` is a whole chunk whose header names the key in the head's ``name``."""
     try:
-        header = serde.decode_header(value)
+        header = serde.decode_header(value or b"")
     except serde.ChunkFormatError:
         return False
-    payload = value[serde.HEADER_SIZE:]
-    return (name.endswith(b":" + header.key.hex().encode()) and len(payload) == header.payload_len
+    payload = value[serde.HEADER_SIZE:] if value else b""
+    return (name.endswith(b":{" + header.key.hex().encode() + b"}") and len(payload) == header.payload_len
             and serde.payload_checksum(payload) == header.payload_checksum)
 
 
@@ -127,8 +130,9 @@ def test_redis_only(tiny_model_dir: str, baseline: list, redis_server: RedisServ
         assert stats["errors"] == stats["timeouts"] == stats["checksum_errors"] == 0
         flush(llm)
         chunks = redis_chunks(redis_server.url)
-        assert len(chunks) == stats["put_chunks"] > 0, "one Redis key per chunk written"
-        assert all(valid_chunk(n, v) for n, v in chunks.items()), "each value is a whole chunk for its key"
+        assert len(chunks) == stats["put_chunks"] > 0, "one head per chunk written"
+        assert redis_sync.Redis.from_url(redis_server.url).dbsize() == 2 * len(chunks), "and one body"
+        assert all(valid_chunk(n, v) for n, v in chunks.items()), "each pair is a whole chunk for its key"
         assert staging_used(llm) == 0
 
 

@@ -24,6 +24,8 @@ import pytest
 import redis as redis_sync
 
 from kvlayer.backends import nvme_files
+from kvlayer.backends.redis_pairs import ChunkNames
+from tests.backends.test_redis import store_bytes
 from tests.connectors.test_kvlayer_connector import C, make
 from tests.connectors.test_redis_end_to_end import (
     ROOT,
@@ -59,21 +61,22 @@ def temp_files(root: Path) -> list[Path]:
 
 # --- Redis ----------------------------------------------------------------------------------
 def corrupt_every_value(url: str) -> int:
-    """Flip a bit in a third of the chunks, truncate another third, give the rest another
-    key's value; returns how many values were corrupted."""
+    """Flip a bit in a third of the chunks (in the body, or every other time in the head's
+    tail), truncate another third, give the rest another key's bytes (each chunk's bytes
+    edited as a file's, then stored back as its two keys); returns how many were corrupted."""
     chunks = redis_chunks(url)
     names = list(chunks)
     client = redis_sync.Redis.from_url(url, socket_timeout=5)
     try:
         for i, name in enumerate(names):
-            value = bytearray(chunks[name])
+            value = bytearray(chunks[name] or b"")
             if i % 3 == 0:
-                value[len(value) // 2] ^= 0x10
+                value[len(value) // 2 if i % 2 else -1] ^= 0x10
             elif i % 3 == 1:
                 del value[-100:]
             else:
-                value = bytearray(chunks[names[(i + 1) % len(names)]])
-            client.set(name, bytes(value))
+                value = bytearray(chunks[names[(i + 1) % len(names)]] or b"")
+            store_bytes(client, ChunkNames(name, name + b":b"), bytes(value))
     finally:
         client.close()
     return len(names)
@@ -236,10 +239,10 @@ def flip_last_layer_of_every_chunk(kind: str, where: str) -> int:
     chunks = redis_chunks(where)
     client = redis_sync.Redis.from_url(where, socket_timeout=5)
     try:
-        for name, value in chunks.items():
-            data = bytearray(value)
-            data[-5] ^= 0x08
-            client.set(name, bytes(data))
+        for i, (name, value) in enumerate(chunks.items()):
+            data = bytearray(value or b"")
+            data[-5 if i % 2 else -200] ^= 0x08  # in the head's tail, or at the end of the body
+            store_bytes(client, ChunkNames(name, name + b":b"), bytes(data))
     finally:
         client.close()
     return len(chunks)
