@@ -25,6 +25,10 @@ FOLD_MAX_ROWS = 512
 """Query tokens x query heads per KV head up to which a span over cached tokens folds its query
 groups (``_folded_attention``); longer spans repeat the keys instead (it stops paying off)."""
 
+SPLIT_DEVICES = ("cpu",)
+"""Devices where a longer span over a cached prefix runs as two attention calls merged by their
+log-sum-exps (``_split_attention``); elsewhere one call with the span's causal bias."""
+
 
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -116,6 +120,9 @@ def _prefill_attention(
         k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[: span.context_len]
         v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: span.context_len]
         fold = groups if groups > 1 and span.num_tokens * groups <= FOLD_MAX_ROWS else 1
+        if fold == 1 and q.device.type in SPLIT_DEVICES:
+            return _split_attention(q, k[: span.num_cached], v[: span.num_cached], key[span.start : span.end],
+                                    value[span.start : span.end], groups, scale)
         mask = _span_bias(meta, index, fold, q.dtype)
         if fold > 1:
             return _folded_attention(q, k, v, mask, groups, scale)
@@ -130,6 +137,26 @@ def _prefill_attention(
         scale=scale,
     )
     return result[0].transpose(0, 1)
+
+
+def _split_attention(q: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor, new_k: torch.Tensor,
+                     new_v: torch.Tensor, groups: int, scale: float) -> torch.Tensor:
+    """A span ``q`` ``[n, H, D]`` over its cached prefix ``cached_k``/``cached_v`` ``[c, KVH, D]``
+    and its own new keys ``new_k``/``new_v`` ``[n, KVH, D]``, on the CPU: two fused attention
+    calls, all of the prefix (no mask) and the new keys causally (the kernel skips the masked
+    half), merged by their log-sum-exps. One call with a mask over the whole context would
+    compute every masked score too: 1.6x slower for 4096 tokens over 4096 cached."""
+    heads_first = q.transpose(0, 1)[None]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    old, old_lse = flash(heads_first, _heads_first(cached_k, groups), _heads_first(cached_v, groups), 0.0, False,
+                         scale=scale)
+    new, new_lse = flash(heads_first, _heads_first(new_k, groups), _heads_first(new_v, groups), 0.0, True,
+                         scale=scale)
+    top = torch.maximum(old_lse, new_lse)
+    old_w, new_w = (old_lse - top).exp_(), (new_lse - top).exp_()
+    total = old_w + new_w
+    merged = old.float() * (old_w / total)[..., None] + new.float() * (new_w / total)[..., None]
+    return merged.to(q.dtype)[0].transpose(0, 1)
 
 
 def _span_bias(meta: AttentionMetadata, index: int, fold: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The prefill attention paths (folded query groups, repeated keys) against plain attention math."""
+"""The prefill attention paths (folded query groups, split prefix + causal calls, one biased call)
+against plain attention math."""
 
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
 
 
 @pytest.mark.parametrize("heads,kv_heads,n,cached", [(12, 4, 5, 70), (12, 4, 100, 37), (8, 8, 6, 40),
-                                                     (6, 2, 300, 20), (4, 1, 1, 63)])
-def test_prefill_over_a_cached_prefix_matches_plain_attention(heads, kv_heads, n, cached) -> None:
+                                                     (6, 2, 300, 20), (4, 1, 1, 63), (4, 2, 700, 900)])
+@pytest.mark.parametrize("split", [True, False], ids=["split-on-cpu", "one-biased-call"])
+def test_prefill_over_a_cached_prefix_matches_plain_attention(heads, kv_heads, n, cached, split, monkeypatch) -> None:
+    if not split:
+        monkeypatch.setattr(attention, "SPLIT_DEVICES", ())
     torch.manual_seed(heads * 1000 + n)
-    dim, block_size, num_blocks = 16, 16, 64
+    dim, block_size, num_blocks = 16, 16, 128
     ctx = cached + n
     cache = torch.randn(2, num_blocks, block_size, kv_heads, dim)
     table = torch.randperm(num_blocks)[: -(-ctx // block_size)]  # non-contiguous blocks
@@ -40,10 +44,11 @@ def test_prefill_over_a_cached_prefix_matches_plain_attention(heads, kv_heads, n
                                     1 / math.sqrt(dim))
     want = reference(q, flat[0, slots], flat[1, slots], cached)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-    # the span's bias is built once per step and reused by the next layer's call, unchanged
-    (bias,) = meta.biases.values()
+    # a biased call's bias is built once per step and reused by the next layer's call, unchanged
+    biases = list(meta.biases.values())
+    assert len(biases) == (0 if split and not folds else 1)
     again = attention.paged_attention(q, flat[0, slots[cached:]], flat[1, slots[cached:]], cache, meta,
                                       1 / math.sqrt(dim))
-    assert list(meta.biases.values()) == [bias]
+    assert list(meta.biases.values()) == biases
     torch.testing.assert_close(again, out, atol=0, rtol=0)
-    assert folds == ((heads, n) in {(12, 5), (12, 100), (4, 1)})  # both paths are covered above
+    assert folds == ((heads, n) in {(12, 5), (12, 100), (4, 1)})  # every path is covered above
