@@ -43,6 +43,7 @@ from kvlayer.benchmarks.common import (
     print_table,
     progress,
     save_figure,
+    settings_of,
     write_json,
 )
 from kvlayer.benchmarks.tier_ceilings import file_rates, memcpy_rate, redis_rates
@@ -106,7 +107,11 @@ def main(args: argparse.Namespace) -> int:
                        for n in sizes]
     notes += _memory_notes(results)
     _print(args, results, notes)
-    record = {"machine": machine_info("cpu"), "preset": args.preset, "chunks": args.chunks,
+    spec = PRESETS[args.preset]
+    model = {"name": args.preset, "preset": args.preset, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads,
+             "head_dim": spec.head_dim, "dtype": "float32"}
+    record = {"machine": machine_info("cpu"), "model": model, "settings": settings_of(args),
+              "preset": args.preset, "chunks": args.chunks,
               "repeat": args.repeat, "goals": {"get_ratio": GOAL_GET_RATIO,
                                                "redis_memory_per_kv_byte": GOAL_REDIS_MEMORY},
               "ceilings": CEILINGS, "notes": notes, "results": results}
@@ -131,7 +136,7 @@ def _plot(path: str | None, results: list[dict[str, Any]], record: dict[str, Any
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
         ax.set_ylabel(f"{op} GiB/s / raw ceiling")
         ax.set_title(f"{op}: tier throughput relative to its raw ceiling")
-    save_figure(fig, path, {**record, "model": {"name": record["preset"]}}, "bench tiers")
+    save_figure(fig, path, record, "bench tiers")
     close_figure(fig)
 
 

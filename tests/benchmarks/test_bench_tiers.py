@@ -43,6 +43,8 @@ def run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 def test_every_tier_is_measured_next_to_its_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     record = run(tmp_path, capsys)
     assert record["machine"]["cores"] >= 1 and record["preset"] == "tiny"
+    assert record["model"]["preset"] == "tiny" and record["model"]["layers"] == 2, record["model"]
+    assert record["settings"]["chunk_tokens"] == "16,32" and record["settings"]["repeat"] == 1
     assert set(record["ceilings"]) == {"memcpy", "file", "redis"}
     assert [r["chunk_tokens"] for r in record["results"]] == [16, 32]
     for res in record["results"]:
