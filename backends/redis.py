@@ -32,8 +32,9 @@ that memory: Python 3.11's ``StreamWriter.writelines`` would join every piece in
 buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB values here, 2-3 GiB/s
 piecewise). ``MGET`` replies are read by ``redis_reads.read_reply``, which checks the header and
 hashes and copies the payload straight from the stream into the staging tensor, skipping
-redis-py's reply parser and its copies. Redis Cluster clients take no connection class, so in
-cluster mode bodies are joined once and replies go through redis-py.
+redis-py's reply parser and its copies; ranged reads receive each body range straight into the
+destination chunk (``redis_buffered``: 0.7 -> 1.05 GiB/s here). Redis Cluster clients take no
+connection class, so in cluster mode bodies are joined once and replies go through redis-py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvlayer import serde
+from kvlayer.backends.redis_buffered import SUPPORTED as buffered_replies
 from kvlayer.backends.redis_clients import (
     PiecewiseValue,
     is_failure,
@@ -188,7 +190,7 @@ class RedisBackend(StorageBackend):
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
         """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s of the bodies by layer group
         (``backends/redis_layers.py``); compressed values and cluster mode read whole values."""
-        if self.settings.cluster or self.settings.compression != "none" or not keys:
+        if self.settings.cluster or self.settings.compression != "none" or not keys or not buffered_replies:
             return await super().read_layers(keys, outs, groups, on_group)
         names = [self.redis_keys(k) for k in keys]
         async with self._deadline():

@@ -6,16 +6,15 @@ layer-major, so layers ``[lo, hi)`` are payload bytes ``lo * L .. hi * L - 1`` (
 bytes): a ``GETRANGE`` of the body at those offsets, then, for the last group(s), bytes of the
 tail. One pipeline asks ``GET`` of every head and ``STRLEN`` of every body (a missing head:
 a missing chunk; a head without its body: a ``HalfChunk``), then ``GETRANGE`` of group 0 of
-every body, then group 1, and so on; the replies are read in that order straight from the
-connection's stream into the caller's chunks (``redis_reads``), each chunk's bytes feeding a
-running checksum checked after its last group. A value of the wrong size, type, header or
-checksum fails its key only. Raw values only: compressed chunks and cluster mode go through
-whole reads (``MGET``).
+every body, then group 1, and so on; the replies are read in that order, each range received
+by the socket straight into the caller's chunk (``redis_buffered``), its bytes feeding the
+chunk's running checksum as they land, checked after its last group. A value of the wrong
+size, type, header or checksum fails its key only. Raw values only: compressed chunks and
+cluster mode go through whole reads (``MGET``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,8 +26,9 @@ from kvlayer import serde
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
 
+from .redis_buffered import BufferedReplies, switched_replies
 from .redis_pairs import ChunkNames, HalfChunk, body_len, check_head, tail_len
-from .redis_reads import ProtocolError, parse_bulk_size, read_into, skip_reply
+from .redis_reads import ProtocolError, parse_bulk_size
 
 
 class RangedValue:
@@ -94,36 +94,36 @@ async def read_layers_on(conn: Any, names: Sequence[ChunkNames], keys: Sequence[
             if start < end:  # GETRANGE's end is inclusive: an empty range cannot be asked for
                 commands.append(("GETRANGE", n.body, start, end - 1))
     await conn.send_packed_command(conn.pack_commands(commands))
-    stream: asyncio.StreamReader = conn._reader
-    for v in values:
-        await _read_head(stream, v)
-        await _read_body_length(stream, v)
-    for g, (lo, hi) in enumerate(groups):
+    with switched_replies(conn) as replies:
         for v in values:
-            start, end = v.body_span(lo, hi)
-            if start < end:
-                await _read_range(stream, v, start, end)
-            v.add_tail(lo, hi)
-        on_group(g)
+            await _read_head(replies, v)
+            await _read_body_length(replies, v)
+        for g, (lo, hi) in enumerate(groups):
+            for v in values:
+                start, end = v.body_span(lo, hi)
+                if start < end:
+                    await _read_range(replies, v, start, end)
+                v.add_tail(lo, hi)
+            on_group(g)
     return values
 
 
-async def _error_or_line(stream: asyncio.StreamReader, v: RangedValue) -> bytes | None:
+async def _error_or_line(replies: BufferedReplies, v: RangedValue) -> bytes | None:
     """The next reply's first line, or None after failing ``v`` for an error reply (e.g. WRONGTYPE)."""
-    line = await stream.readuntil(b"\r\n")
+    line = await replies.line()
     if line[:1] == b"-":
         v.fail(serde.ChunkFormatError(f"not a string value: {line[1:80]!r}"))
         return None
     return line
 
 
-async def _read_head(stream: asyncio.StreamReader, v: RangedValue) -> None:
+async def _read_head(replies: BufferedReplies, v: RangedValue) -> None:
     """Read a head's GET reply: check its header, keep its tail."""
-    line = await _error_or_line(stream, v)
+    line = await _error_or_line(replies, v)
     size = -1 if line is None else parse_bulk_size(line)
     if size < 0:
         return
-    head = await stream.readexactly(min(size, serde.HEADER_SIZE))
+    head = await replies.exactly(min(size, serde.HEADER_SIZE))
     v.nbytes += size
     try:
         header = check_head(head, size, v.key, tuple(v.out.shape), v.out.dtype)
@@ -131,16 +131,16 @@ async def _read_head(stream: asyncio.StreamReader, v: RangedValue) -> None:
             raise serde.ChunkFormatError("not a raw chunk of this shape")
     except serde.ChunkFormatError as e:
         v.fail(e)
-        await skip_reply(stream, size - len(head))
+        await replies.skip(size - len(head))
         return
-    v.tail = await stream.readexactly(size - len(head))
-    await skip_reply(stream, 0)
+    v.tail = await replies.exactly(size - len(head))
+    await replies.crlf()
     v.header = header
 
 
-async def _read_body_length(stream: asyncio.StreamReader, v: RangedValue) -> None:
+async def _read_body_length(replies: BufferedReplies, v: RangedValue) -> None:
     """Read a body's STRLEN reply (0: no body); a body of another size fails ``v``."""
-    line = await _error_or_line(stream, v)
+    line = await _error_or_line(replies, v)
     if line is None:
         return
     if line[:1] != b":":
@@ -153,9 +153,9 @@ async def _read_body_length(stream: asyncio.StreamReader, v: RangedValue) -> Non
             v.fail(serde.ChunkFormatError(f"body is {size} bytes, its header says {body_len(v.header)}"))
 
 
-async def _read_range(stream: asyncio.StreamReader, v: RangedValue, start: int, end: int) -> None:
+async def _read_range(replies: BufferedReplies, v: RangedValue, start: int, end: int) -> None:
     """Read one GETRANGE reply into ``v``'s chunk bytes ``[start, end)`` (or past it once ``v`` failed)."""
-    line = await _error_or_line(stream, v)
+    line = await _error_or_line(replies, v)
     if line is None:
         return
     size = parse_bulk_size(line)
@@ -163,8 +163,8 @@ async def _read_range(stream: asyncio.StreamReader, v: RangedValue, start: int, 
         v.fail(serde.ChunkFormatError(f"body range is {size} bytes, expected {end - start}"))
     if not v.reading:
         if size >= 0:  # a null (never from GETRANGE) has no bytes to skip
-            await skip_reply(stream, size)
+            await replies.skip(size)
         return
-    await read_into(stream, v.dst[start:end], v.hasher)
-    await skip_reply(stream, 0)
+    await replies.into(memoryview(v.dst)[start:end], v.hasher)
+    await replies.crlf()
     v.nbytes += size

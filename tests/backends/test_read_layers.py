@@ -282,3 +282,36 @@ def test_a_tail_spanning_whole_layer_groups(layer_bytes: int) -> None:
                 await backend.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("tier", ["redis"], indirect=True)
+def test_redis_reads_whole_chunks_where_the_buffered_reader_cannot_run(tier: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Python whose StreamReader lacks the internals ``redis_buffered`` needs, ranged reads
+    fall back to whole chunks (every group signalled at the end), with the same results."""
+    import kvlayer.backends.redis as redis_backend
+
+    monkeypatch.setattr(redis_backend, "buffered_replies", False)
+
+    def ranged(*args: Any) -> None:
+        raise AssertionError("the ranged reader ran")
+
+    monkeypatch.setattr(redis_backend, "read_layers_on", ranged)
+    keys = keys_of(4)
+
+    async def main() -> None:
+        async with tier() as backend:
+            await put(backend, keys[:3])
+            arena, outs = outs_for(keys)
+            seen: list[int] = []
+            flags = await backend.read_layers(keys, outs, GROUPS, seen.append)
+            assert flags == [True, True, True, False]
+            assert seen == list(range(len(GROUPS)))
+            for k, o in zip(keys[:3], outs):
+                assert torch.equal(o.tensor, chunk_data(k, LAYOUT))
+            assert backend.stats()["hits"] == 3 and backend.stats()["misses"] == 1
+            for o in outs:
+                o.release()
+            assert arena.used_count == 0
+
+    asyncio.run(main())

@@ -14,8 +14,8 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,22 @@ async def opened(url: str, staging_slots: int = 64, **config: Any) -> AsyncItera
         yield backend
     finally:
         await backend.close()
+
+
+@contextmanager
+def tls_server(folder: Path) -> Iterator[str]:
+    """A TLS-only server (its files under ``folder``; skips without TLS support): its URL, trusting its CA."""
+    tls = make_tls_files(folder)
+    server = RedisServer(tls.server_args(), tls=True)
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.close()
+        pytest.skip(f"redis-server without TLS support: {e}")
+    try:
+        yield f"{server.url}?ssl_ca_certs={tls.ca_cert}"
+    finally:
+        server.close()
 
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -376,22 +392,12 @@ def test_password_and_acl_user() -> None:
 
 
 def test_tls(tmp_path: Path) -> None:
-    tls = make_tls_files(tmp_path)
-    server = RedisServer(tls.server_args(), tls=True)
-    try:
-        server.start()
-    except RuntimeError as e:
-        server.close()
-        pytest.skip(f"redis-server without TLS support: {e}")
     keys = keys_of(3)
-    url = f"{server.url}?ssl_ca_certs={tls.ca_cert}"
 
-    async def main() -> None:
+    async def main(url: str) -> None:
         async with opened(url) as backend:
             await put_keys(backend, keys)
             assert check_and_release(await backend.get_many(keys), keys) == [True] * 3
 
-    try:
-        run(main())
-    finally:
-        server.close()
+    with tls_server(tmp_path) as url:
+        run(main(url))

@@ -1,0 +1,310 @@
+"""Tests of ``backends/redis_buffered.py``: replies received straight into their destination
+while our protocol is installed, and the connection handed back intact (or failed) afterwards.
+
+Most tests talk to a tiny asyncio server that sends the bytes the test wants (no Redis needed);
+the last ones read layer groups through ``RedisBackend`` from a real server, over TLS too.
+
+Run: ``.venv/bin/python -m pytest tests/backends/test_redis_buffered.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+from kvlayer.backends.redis import RedisBackend
+from kvlayer.backends.redis_buffered import WINDOW, BufferedReplies, switched_replies
+from kvlayer.backends.redis_reads import ProtocolError
+from kvlayer.config import KVLayerConfig
+from kvlayer.layout import KVLayout
+from kvlayer.memory import Arena
+from kvlayer.storage import BackendContext
+from tests.backends.test_nvme import put_keys
+from tests.backends.test_redis import tls_server
+from tests.fakes import chunk_data, make_keys, namespace
+from tests.redis_server import RedisServer
+
+
+@dataclass
+class Conn:
+    """The two attributes of a redis-py connection ``switched_replies`` uses."""
+
+    _reader: asyncio.StreamReader
+    _writer: asyncio.StreamWriter
+
+
+Serve = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+@asynccontextmanager
+async def served(serve: Serve) -> AsyncIterator[Conn]:
+    """A connection to a server that runs ``serve(writer)`` for it (then keeps it open until the test ends)."""
+    done = asyncio.Event()
+
+    async def handle(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await serve(writer)
+        await done.wait()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+    try:
+        yield Conn(reader, writer)
+    finally:
+        done.set()
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), 2)
+        server.close()
+        await server.wait_closed()
+
+
+def sending(*pieces: bytes, close: bool = False) -> Serve:
+    async def serve(writer: asyncio.StreamWriter) -> None:
+        for p in pieces:
+            writer.write(p)
+            await writer.drain()
+        if close:
+            writer.close()
+
+    return serve
+
+
+def run(main: Awaitable[None]) -> None:
+    """Run a test's coroutine; a read waiting for bytes that never come fails it instead of hanging."""
+    asyncio.run(asyncio.wait_for(main, 10))
+
+
+def bulk(value: bytes) -> bytes:
+    return b"$%d\r\n" % len(value) + value + b"\r\n"
+
+
+async def buffered(conn: Conn, n: int) -> None:
+    """Wait until ``conn``'s stream holds ``n`` bytes (or more), before any switch."""
+    for _ in range(500):
+        if len(conn._reader._buffer) >= n:  # type: ignore[attr-defined]
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the bytes never arrived")
+
+
+async def read_bulk(replies: BufferedReplies) -> tuple[bytes, int]:
+    """A bulk reply received into memory of its own, and its xxh3."""
+    size = int((await replies.line())[1:-2])
+    out, hasher = bytearray(size), xxhash.xxh3_64()
+    await replies.into(memoryview(out), hasher)
+    await replies.crlf()
+    return bytes(out), hasher.intdigest()
+
+
+def test_values_land_in_place_and_are_hashed() -> None:
+    values = [os.urandom(3 * WINDOW + 5), os.urandom(2 << 20), b"", os.urandom(17)]
+
+    async def main() -> None:
+        async with served(sending(*(bulk(v) for v in values))) as conn:
+            with switched_replies(conn) as replies:
+                for v in values:
+                    assert await read_bulk(replies) == (v, xxhash.xxh3_64_intdigest(v))
+            assert conn._writer.transport.get_protocol() is replies.original
+
+    run(main())
+
+
+def test_skipped_and_small_values_leave_the_next_in_place() -> None:
+    small, big, scratch, last = os.urandom(10), os.urandom(3 << 20), os.urandom(3 * WINDOW), os.urandom(5000)
+
+    async def main() -> None:
+        async with served(sending(bulk(small), bulk(big), bulk(scratch), bulk(last))) as conn:
+            with switched_replies(conn) as replies:
+                for value in (small, big):
+                    assert await replies.line() == b"$%d\r\n" % len(value)
+                    await replies.skip(len(value))
+                await replies.line()
+                assert await replies.exactly(len(scratch)) == scratch  # through scratch, several windows
+                await replies.crlf()
+                assert (await read_bulk(replies))[0] == last
+
+    run(main())
+
+
+def test_bytes_buffered_before_the_switch_come_first_and_a_paused_stream_resumes() -> None:
+    """The stream holds more than its limit, so it paused reading: the switch must take its bytes
+    and resume the transport, or the rest of the value never arrives."""
+    value = os.urandom(4 << 20)
+
+    async def main() -> None:
+        async with served(sending(bulk(value))) as conn:
+            for _ in range(500):
+                if conn._reader._paused:  # type: ignore[attr-defined]
+                    break
+                await asyncio.sleep(0.002)
+            assert conn._reader._paused  # type: ignore[attr-defined]
+            with switched_replies(conn) as replies:
+                assert (await read_bulk(replies))[0] == value
+
+    run(main())
+
+
+def test_bytes_past_the_last_reply_go_back_and_the_connection_is_reused() -> None:
+    first, second, third = os.urandom(10_000), os.urandom(100), os.urandom(300_000)
+
+    async def main() -> None:
+        async with served(sending(bulk(first) + bulk(second), bulk(third))) as conn:
+            await buffered(conn, len(bulk(first) + bulk(second)))
+            with switched_replies(conn) as replies:
+                assert (await read_bulk(replies))[0] == first
+            # the second reply was received with the first: it is the stream's again
+            assert await conn._reader.readexactly(len(bulk(second))) == bulk(second)
+            with switched_replies(conn) as replies:
+                assert (await read_bulk(replies))[0] == third
+            assert not conn._reader._buffer  # type: ignore[attr-defined]
+
+    run(main())
+
+
+def test_a_connection_closed_mid_value_fails_the_read_and_reaches_the_stream() -> None:
+    value = os.urandom(100_000)
+
+    async def main() -> None:
+        async with served(sending(bulk(value)[:60_000], close=True)) as conn:
+            with pytest.raises(ProtocolError, match="closed"), switched_replies(conn) as replies:
+                await read_bulk(replies)
+            for _ in range(100):  # the end of stream (or the lost connection) was passed on
+                if conn._reader.at_eof():
+                    break
+                await asyncio.sleep(0.01)
+            assert conn._reader.at_eof()
+            assert conn._writer.transport.get_protocol() is replies.original
+
+    run(main())
+
+
+def test_a_cancelled_read_hands_the_connection_back() -> None:
+    value = os.urandom(100_000)
+
+    async def main() -> None:
+        async with served(sending(bulk(value)[:60_000])) as conn:  # the rest never comes
+            got: list[BufferedReplies] = []
+
+            async def read() -> None:
+                with switched_replies(conn) as replies:
+                    got.append(replies)
+                    await read_bulk(replies)
+
+            task = asyncio.create_task(read())
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert conn._writer.transport.get_protocol() is got[0].original
+            assert got[0]._target is None and got[0]._waiter is None
+            # dropping the connection afterwards (as read_or_drop does) completes: checked by served()
+
+    run(main())
+
+
+def test_a_connection_lost_while_switched_reaches_the_stream_protocol() -> None:
+    """The transport reports a lost connection to the protocol installed at the time, ours: the
+    stream's must learn it too, or closing the connection would wait for it forever."""
+    value = os.urandom(100_000)
+
+    async def main() -> None:
+        async with served(sending(bulk(value)[:60_000])) as conn:
+            async def read() -> None:
+                with switched_replies(conn) as replies:
+                    await read_bulk(replies)
+
+            task = asyncio.create_task(read())
+            await asyncio.sleep(0.1)
+            conn._writer.transport.abort()
+            with pytest.raises(ProtocolError, match="closed"):
+                await task
+            assert conn._reader.at_eof()
+            await asyncio.wait_for(conn._writer.wait_closed(), 2)
+
+    run(main())
+
+
+def test_a_line_without_end_is_a_protocol_error() -> None:
+    async def main() -> None:
+        async with served(sending(b"$" + b"9" * 100_000)) as conn:
+            with pytest.raises(ProtocolError, match="line"), switched_replies(conn) as replies:
+                await replies.line()
+
+    run(main())
+
+
+# --- through the Redis tier -----------------------------------------------------------------
+LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16)
+CHUNK = 256
+SIZE = LAYOUT.chunk_bytes(CHUNK)  # 768 KiB: each group's range takes several receives
+GROUPS = [(0, 1), (1, 4), (4, 6)]
+
+
+@asynccontextmanager
+async def stored(url: str, n: int, timeout_ms: int = 10_000) -> AsyncIterator[tuple[RedisBackend, list, list]]:
+    """A Redis tier at ``url`` holding ``n`` chunks: ``(backend, keys, outs)``, ``outs`` objects to read into."""
+    cfg = KVLayerConfig(chunk_size=CHUNK, cpu_capacity=0, redis_url=url, tier_timeout_ms=timeout_ms)
+    backend = RedisBackend.create(BackendContext(cfg, LAYOUT, torch.device("cpu"), Arena(n * SIZE, SIZE)))
+    assert backend is not None
+    keys = make_keys(n, 4, namespace(chunk_size=CHUNK, layout=LAYOUT))
+    arena = Arena(n * SIZE, SIZE)
+    outs = [arena.allocate(LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype) for _ in keys]
+    try:
+        await put_keys(backend, keys, LAYOUT)  # type: ignore[arg-type]
+        yield backend, keys, outs
+    finally:
+        for o in outs:
+            o.release()  # type: ignore[union-attr]
+        await backend.close()
+
+
+async def read_all(backend: RedisBackend, keys: list, outs: list) -> None:
+    """Read ``keys`` by layer groups into ``outs`` (filled with NaN first) and check every byte."""
+    for o in outs:
+        o.tensor.fill_(float("nan"))
+    assert await backend.read_layers(keys, outs, GROUPS, lambda g: None) == [True] * len(keys)
+    assert all(torch.equal(o.tensor, chunk_data(k, LAYOUT)) for k, o in zip(keys, outs))
+
+
+async def read_back(url: str) -> None:
+    """Read chunks by layer groups twice on one connection, then whole through its stream again."""
+    async with stored(url, 4) as (backend, keys, outs):
+        await read_all(backend, keys, outs)
+        await read_all(backend, keys, outs)
+        objs = await backend.get_many(keys)
+        assert all(o is not None and torch.equal(o.tensor, chunk_data(k, LAYOUT)) for k, o in zip(keys, objs))
+        for o in objs:
+            o.release()  # type: ignore[union-attr]
+
+
+def test_large_chunks_by_layer_groups(redis_server: RedisServer) -> None:
+    run(read_back(redis_server.url))
+
+
+def test_large_chunks_by_layer_groups_over_tls(tmp_path: Path) -> None:
+    with tls_server(tmp_path) as url:
+        run(read_back(url))
+
+
+def test_a_frozen_server_times_the_read_out_and_the_next_read_works(redis_server: RedisServer) -> None:
+    """The deadline cancels the read while our protocol is installed: the connection is dropped
+    (not left half read) and the next call, once the server answers again, reads every layer."""
+    async def main() -> None:
+        async with stored(redis_server.url, 2, timeout_ms=400) as (backend, keys, outs):
+            redis_server.pause()
+            try:
+                with pytest.raises((TimeoutError, ConnectionError)):
+                    await backend.read_layers(keys, outs, GROUPS, lambda g: None)
+            finally:
+                redis_server.resume()
+            await read_all(backend, keys, outs)
+
+    run(main())
