@@ -105,6 +105,18 @@ def flip(offset: int) -> Callable[[bytes], bytes]:
     return edit
 
 
+def check_three_of_four(backend: Any, keys: list[Any], outs: list[Any], flags: list[bool], arena: Any) -> None:
+    """After reading 4 keys of which the first 3 were stored: the right flags, data and counts;
+    then the objects are released and the arena is empty again."""
+    assert flags == [True, True, True, False]
+    for k, o in zip(keys[:3], outs):
+        assert torch.equal(o.tensor, chunk_data(k, LAYOUT))
+    assert backend.stats()["hits"] == 3 and backend.stats()["misses"] == 1
+    for o in outs:
+        o.release()
+    assert arena.used_count == 0
+
+
 @pytest.mark.parametrize("tier", KINDS, indirect=True)
 def test_layers_arrive_in_order_and_match(tier: Any) -> None:
     keys = keys_of(4)
@@ -123,14 +135,8 @@ def test_layers_arrive_in_order_and_match(tier: Any) -> None:
                 seen.append((g, ready and later))
 
             flags = await backend.read_layers(keys, outs, GROUPS, on_group)
-            assert flags == [True, True, True, False]
             assert seen == [(0, True), (1, True), (2, True)], "each group in place when signalled, not later ones"
-            for k, o in zip(keys[:3], outs):
-                assert torch.equal(o.tensor, chunk_data(k, LAYOUT))
-            assert backend.stats()["hits"] == 3 and backend.stats()["misses"] == 1
-            for o in outs:
-                o.release()
-            assert arena.used_count == 0
+            check_three_of_four(backend, keys, outs, flags, arena)
 
     asyncio.run(main())
 
@@ -305,13 +311,7 @@ def test_redis_reads_whole_chunks_where_the_buffered_reader_cannot_run(tier: Any
             arena, outs = outs_for(keys)
             seen: list[int] = []
             flags = await backend.read_layers(keys, outs, GROUPS, seen.append)
-            assert flags == [True, True, True, False]
             assert seen == list(range(len(GROUPS)))
-            for k, o in zip(keys[:3], outs):
-                assert torch.equal(o.tensor, chunk_data(k, LAYOUT))
-            assert backend.stats()["hits"] == 3 and backend.stats()["misses"] == 1
-            for o in outs:
-                o.release()
-            assert arena.used_count == 0
+            check_three_of_four(backend, keys, outs, flags, arena)
 
     asyncio.run(main())
