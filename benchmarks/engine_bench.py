@@ -1,6 +1,6 @@
 """``kvlayer bench engine``: the bundled engine's prefill and decode speed next to transformers'.
 
-Same weights, same run: prefill tokens/s per prompt length (ours: one engine step; theirs:
+Same weights, device and dtype, same run: prefill tokens/s per prompt length (ours: one engine step; theirs:
 one forward, logits of the last position only) and decode tokens/s (ours: N sequences
 batched; theirs: one sequence at a time with ``generate``). The engine's KV cache is sized to
 the largest case, which the timings do not depend on.
@@ -87,23 +87,34 @@ def ours_decode(llm: Any, seqs: int, prompt: int, tokens: int, vocab: int) -> fl
     return generated / elapsed
 
 
-def hf_model(path: str) -> Any:
-    """The transformers model of the folder ``path`` in float32, in eval mode."""
+def hf_model(path: str, device: str = "cpu", dtype: str = "float32") -> Any:
+    """The transformers model of the folder ``path`` on ``device`` in ``dtype`` (ours' device and
+    dtype, so the comparison is like for like), in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+def _synced(model: Any) -> None:
+    """Wait for the model's device to finish its queued work (CUDA runs kernels asynchronously)."""
+    import torch
+
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def hf_prefill(model: Any, length: int, vocab: int) -> float:
     """Seconds one transformers forward over a ``length``-token prompt takes (last logits only)."""
     import torch
 
-    ids = torch.tensor([_prompt(length, length, vocab)])
+    ids = torch.tensor([_prompt(length, length, vocab)], device=model.device)
     with torch.inference_mode():
+        _synced(model)
         t = time.perf_counter()
         model(ids, use_cache=False, logits_to_keep=1)
+        _synced(model)
         return time.perf_counter() - t
 
 
@@ -112,11 +123,13 @@ def hf_decode(model: Any, prompt: int, tokens: int, vocab: int) -> float:
     (its prefill included)."""
     import torch
 
-    ids = torch.tensor([_prompt(1, prompt, vocab)])
+    ids = torch.tensor([_prompt(1, prompt, vocab)], device=model.device)
     with torch.inference_mode():
+        _synced(model)
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                        attention_mask=torch.ones_like(ids), pad_token_id=0)
+        _synced(model)
         return tokens / (time.perf_counter() - t)
 
 
@@ -140,10 +153,10 @@ def main(args: argparse.Namespace) -> int:
     facts = model_facts(model, args.device)
     vocab = facts["vocab"]
     with progress(len(lengths) + 1, "bench engine") as advance:
-        llm = LLM(model, device=args.device, enable_prefix_caching=False, block_size=BLOCK_SIZE,
+        llm = LLM(model, device=args.device, dtype=facts["dtype"], enable_prefix_caching=False, block_size=BLOCK_SIZE,
                   num_gpu_blocks=kv_blocks(lengths, args.decode_seqs, args.decode_prompt, args.decode_tokens),
                   max_num_batched_tokens=max([*lengths, WARMUP_TOKENS, args.decode_seqs * args.decode_prompt]))
-        hf = None if args.no_hf else hf_model(model)
+        hf = None if args.no_hf else hf_model(model, args.device, facts["dtype"])
         results = measure(llm, hf, lengths, args, vocab, advance)
     record = {"bench": "engine", "machine": machine_info(args.device), "model": facts,
               "settings": settings_of(args), **results}
@@ -224,6 +237,7 @@ def plot(path: str | None, record: dict[str, Any]) -> None:
     st = record["settings"]
     setup = (f"decode: {st['decode_seqs']} sequences batched vs transformers one at a time, "
              f"{st['decode_prompt']}-token prompts, {st['decode_tokens']} tokens each; "
-             + ("transformers skipped (--no-hf)" if st["no_hf"] else "transformers: float32, CPU"))
+             + ("transformers skipped (--no-hf)" if st["no_hf"]
+                else f"transformers: {record['model']['dtype']} on {st['device']}, as ours"))
     save_figure(fig, path, record, setup)
     close_figure(fig)
