@@ -117,7 +117,7 @@ class MemoryTier(StorageBackend):
         """
         await self._put(keys, chunks, selective=False)
 
-    async def promote_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+    async def promote_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> list[bool]:
         """``put_many`` for chunks read from a lower tier, with TinyLFU-style admission: a chunk
         that needs an eviction is admitted only if it was asked for (``get_many``) more often
         than the chunk it would evict, else declined (``stats()['promotions_declined']``).
@@ -125,17 +125,19 @@ class MemoryTier(StorageBackend):
         Under LRU, requests cycling over more chunks than the tier holds would evict each
         chunk just before it is asked for again (no hit ever); this keeps a stable part of the
         cycle resident, and still lets a chunk asked for often displace a rarely asked one.
+        Answers which chunks it stored (false: declined, or already held).
         """
-        await self._put(keys, chunks, selective=True)
+        return await self._put(keys, chunks, selective=True)
 
-    async def _put(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], selective: bool) -> None:
+    async def _put(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], selective: bool) -> list[bool]:
         self._check_batch(keys, chunks)
         batch = {key.digest for key in keys}
         fresh: list[tuple[ChunkKey, MemoryObj]] = []
+        stored = [False] * len(keys)
         evicted: list[bytes] = []
         try:
             devices = set()
-            for key, chunk in zip(keys, chunks):
+            for i, (key, chunk) in enumerate(zip(keys, chunks)):
                 if key.digest in self._index:
                     continue
                 obj = self._allocate(chunk, batch, evicted, key.digest if selective else None)
@@ -145,6 +147,7 @@ class MemoryTier(StorageBackend):
                 if _copy(obj, chunk):
                     devices.add(obj.tensor.device if obj.tensor.is_cuda else chunk.tensor.device)
                 fresh.append((key, obj))
+                stored[i] = True
             await _copies_done(devices)
         except BaseException:
             for _, obj in fresh:
@@ -154,6 +157,7 @@ class MemoryTier(StorageBackend):
             self._evicted(evicted)
         self._admit(fresh)
         self._touch([key for key in keys if key.digest in self._index])
+        return stored
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         removed = []

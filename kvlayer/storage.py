@@ -133,10 +133,12 @@ class StorageBackend(abc.ABC):
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store ``chunks[i]`` under ``keys[i]``; may evict unpinned chunks to make room."""
 
-    async def promote_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
+    async def promote_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> list[bool] | None:
         """Store chunks just read from a lower tier (the tier manager's promotions); ownership as
-        in ``put_many``. A tier may decline some (an admission policy); default: ``put_many``."""
+        in ``put_many``. A tier may decline some (an admission policy): it then answers which
+        chunks it stored, one flag per key (None: all of them; the default, ``put_many``)."""
         await self.put_many(keys, chunks)
+        return None
 
     @abc.abstractmethod
     async def remove(self, keys: Sequence[ChunkKey]) -> int:

@@ -264,20 +264,22 @@ class TierManager:
     async def _put(self, tier: GuardedTier, keys: list[ChunkKey], chunks: list[MemoryObj], skip_present: bool,
                    counter: str | None = None, promote: bool = False) -> None:
         """Put into one tier (after its leading present keys if ``skip_present``; through its
-        admission policy if ``promote``); failures are misses."""
+        admission policy if ``promote``, counting only what it stored); failures are misses."""
         if not tier.usable():
             return
+        stored: list[bool] | None = None
         try:
             n = await tier.call("contains_prefix", tier.backend.contains_prefix(keys)) if skip_present else 0
             if n < len(keys):
                 put = tier.backend.promote_many if promote else tier.backend.put_many
-                await tier.call("put_many", put(keys[n:], chunks[n:]))
+                stored = await tier.call("put_many", put(keys[n:], chunks[n:]))
         except TierFailure:
             return
-        tier.metrics.inc("put_chunks", len(keys) - n)
-        tier.metrics.inc("put_bytes", sum(c.nbytes for c in chunks[n:]))
+        written = [c for c, ok in zip(chunks[n:], stored or [True] * (len(keys) - n)) if ok]
+        tier.metrics.inc("put_chunks", len(written))
+        tier.metrics.inc("put_bytes", sum(c.nbytes for c in written))
         if counter is not None:
-            tier.metrics.inc(counter, len(keys) - n)
+            tier.metrics.inc(counter, len(written))
 
     async def _write_through(self, tiers: list[GuardedTier], keys: list[ChunkKey],
                              chunks: list[MemoryObj]) -> None:

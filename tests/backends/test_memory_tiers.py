@@ -306,7 +306,8 @@ def _ask_and_promote(run: Run, tier: MemoryTier, src, key: ChunkKey) -> bool:
         got.release()
         return True
     chunk = make_chunk(src, key)
-    run(tier.promote_many([key], [chunk]))
+    (stored,) = run(tier.promote_many([key], [chunk]))
+    assert stored == present(run, tier, [key])[0]  # it answers whether it took the chunk
     chunk.release()
     return False
 

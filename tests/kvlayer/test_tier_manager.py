@@ -163,6 +163,26 @@ def test_retrieve_is_exact_and_promotes_into_upper_tiers(make) -> None:
     s.assert_no_leaks()
 
 
+def test_promotions_a_tier_declines_are_not_counted_as_puts(make, monkeypatch) -> None:
+    s = make(fake={})
+    keys = make_keys(3)
+    s.place("fake", keys)
+    cpu = s.tiers["cpu"]
+
+    async def decline_all(keys: list[ChunkKey], chunks: list[MemoryObj]) -> list[bool]:
+        return [False] * len(keys)
+
+    monkeypatch.setattr(cpu, "promote_many", decline_all)
+    for obj in retrieve(s, keys):
+        obj.release()
+    assert s.mgr.flush(5)
+    assert s.counter("gpu", "promotions") == 3 and s.counter("gpu", "put_chunks") == 3
+    assert s.counter("gpu", "put_bytes") == 3 * CHUNK_BYTES
+    assert s.counter("cpu", "promotions") == 0 and s.counter("cpu", "put_chunks") == 0
+    assert s.counter("cpu", "put_bytes") == 0
+    s.assert_no_leaks()
+
+
 def test_retrieve_stops_at_the_first_gap(make) -> None:
     s = make(fake={})
     keys = make_keys(4)
