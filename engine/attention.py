@@ -115,14 +115,11 @@ def _prefill_attention(
     if span.num_cached == 0:
         k, v, mask = key[span.start : span.end], value[span.start : span.end], None
     else:
-        block_size = kv_cache.shape[2]
-        blocks = span.block_table[: -(-span.context_len // block_size)]
-        k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[: span.context_len]
-        v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: span.context_len]
         fold = groups if groups > 1 and span.num_tokens * groups <= FOLD_MAX_ROWS else 1
-        if fold == 1 and q.device.type in SPLIT_DEVICES:
-            return _split_attention(q, k[: span.num_cached], v[: span.num_cached], key[span.start : span.end],
-                                    value[span.start : span.end], groups, scale)
+        if fold == 1 and q.device.type in SPLIT_DEVICES:  # only the cached prefix is gathered
+            k, v = _gathered(kv_cache, span.block_table, span.num_cached)
+            return _split_attention(q, k, v, key[span.start : span.end], value[span.start : span.end], groups, scale)
+        k, v = _gathered(kv_cache, span.block_table, span.context_len)
         mask = _span_bias(meta, index, fold, q.dtype)
         if fold > 1:
             return _folded_attention(q, k, v, mask, groups, scale)
@@ -137,6 +134,13 @@ def _prefill_attention(
         scale=scale,
     )
     return result[0].transpose(0, 1)
+
+
+def _gathered(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[length, KVH, D]`` of a sequence's first ``length`` cached positions."""
+    blocks = block_table[: -(-length // kv_cache.shape[2])]
+    return (kv_cache[0].index_select(0, blocks).flatten(0, 1)[:length],
+            kv_cache[1].index_select(0, blocks).flatten(0, 1)[:length])
 
 
 def _split_attention(q: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor, new_k: torch.Tensor,
