@@ -239,7 +239,7 @@ class MemoryTier(StorageBackend):
     def _count_asks(self, keys: Sequence[ChunkKey]) -> None:
         self._asked.update(k.digest for k in keys)
         self._asks += len(keys)
-        if self._asks > AGING * max(1, self._arena.capacity_bytes // self._arena.slot_bytes):
+        if self._asks > AGING * max(1, self._arena.num_slots):
             self._asked = Counter({d: n // 2 for d, n in self._asked.items() if n > 1})
             self._asks = 0
 

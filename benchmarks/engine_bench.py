@@ -32,6 +32,7 @@ from kvlayer.benchmarks.common import (
     timed,
     write_json,
 )
+from kvlayer.benchmarks.workloads import random_tokens
 
 BLOCK_SIZE = 16
 WARMUP_TOKENS = 64
@@ -51,8 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt(seed: int, length: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(length)]
+    return random_tokens(random.Random(seed), length, vocab)
 
 
 def ours_prefill(llm: Any, length: int, vocab: int) -> float:
@@ -74,7 +74,7 @@ def ours_decode(llm: Any, seqs: int, prompt: int, tokens: int, vocab: int) -> fl
     eng = llm.engine
     rng = random.Random(1)
     for _ in range(seqs):
-        eng.add_request({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt)]},
+        eng.add_request({"prompt_token_ids": random_tokens(rng, prompt, vocab)},
                         SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     elapsed, generated = 0.0, 0
     while eng.has_unfinished_requests():

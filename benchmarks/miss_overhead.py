@@ -43,6 +43,7 @@ from kvlayer.benchmarks.common import (
 from kvlayer.benchmarks.configs import BASELINES, BenchConfig, add_config_arguments, factory_from_args, parse_configs
 from kvlayer.benchmarks.stats import percentile
 from kvlayer.benchmarks.ttft_measure import cache_engine, open_llm, ttft
+from kvlayer.benchmarks.workloads import random_tokens
 
 GOAL_PCT = 2.0
 """The most overhead on misses kvlayer issue 3 allows, in percent of the TTFT without kvlayer."""
@@ -68,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
         configs = [factory.build(n) for n in factory.available(names)]
         with progress(len(configs) * args.rounds, "miss-overhead") as advance, \
                 open_llm(model, args.device, factory.build("recompute"), args.length) as off:
-            results = {c.name: measure(off, model, args, c, lambda: _prompt(rng, args.length, facts["vocab"]),
+            results = {c.name: measure(off, model, args, c, lambda: random_tokens(rng, args.length, facts["vocab"]),
                                        advance) for c in configs}
     record = {"bench": "miss-overhead", "machine": machine_info(args.device), "model": facts,
               "settings": settings_of(args), "goal_pct": GOAL_PCT, "configs": results}
@@ -76,10 +77,6 @@ def main(args: argparse.Namespace) -> int:
     write_json(args.json, record)
     plot(args.plot, record)
     return 0
-
-
-def _prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
-    return [rng.randrange(3, vocab) for _ in range(length)]
 
 
 def measure(off: Any, model: str, args: argparse.Namespace, config: BenchConfig,

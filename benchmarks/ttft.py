@@ -121,7 +121,7 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
                                  "kv_config": v.public_kv_config(), "by_length": rows[v.label],
                                  "crossover": {"length": cross.length, "kind": cross.kind, "text": cross.text()}}
     return {"bench": "ttft", "machine": machine_info(args.device), "model": facts,
-            "settings": settings_of(args), "memcpy_gib_s": bandwidth / 2**30,
+            "settings": settings_of(args),
             "ceilings_gib_s": {k: v / 2**30 for k, v in ceilings.items()}, "lengths": lengths,
             "baselines": {str(n): b for n, b in base.items()}, "variants": out_variants,
             "layerwise": overlap(out_variants, base)}

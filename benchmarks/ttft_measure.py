@@ -173,22 +173,8 @@ def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, parti
         half = row["partial_cached"] = p.n // 2 // chunk * chunk
         row["partial_hit_s"] = median_of(repeat, lambda k: hit(p.partial(k), "partial"))
         row["partial_tiers"] = tiers["partial"]
-        row["partial_load_s"] = median_of(repeat, lambda _k: load(p.partial()[:half]))
+        row["partial_load_s"] = median_of(repeat, lambda _k: load(p.full[:half]))  # the partial prompts' cached half
     return row
-
-
-def memcpy_bandwidth(nbytes: int) -> float:
-    """Bytes/s of a torch copy into already-touched memory (best of 5)."""
-    import torch
-
-    src = torch.ones(max(nbytes, 4) // 4, dtype=torch.float32)
-    dst = torch.zeros_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return src.numel() * 4 / best
 
 
 CEILING_OF = {"cpu": "memcpy", "nvme": "nvme_cold", "cpu+nvme": "nvme_cold", "redis": "redis_get"}
@@ -198,13 +184,13 @@ CEILING_OF = {"cpu": "memcpy", "nvme": "nvme_cold", "cpu+nvme": "nvme_cold", "re
 def tier_ceilings(names: list[str], folder: str, redis_url: str | None, nbytes: int,
                   chunk_bytes: int) -> dict[str, float]:
     """Bytes/s of each raw ceiling the configurations ``names`` need (``CEILING_OF``), for
-    ``nbytes`` in ``chunk_bytes`` pieces: a torch copy, cold sequential file reads under
+    ``nbytes`` in ``chunk_bytes`` pieces: torch copies, cold sequential file reads under
     ``folder`` (left out where the page cache cannot be dropped), pipelined redis-py GETs."""
     from kvlayer.benchmarks import tier_ceilings as raw
 
     need = {CEILING_OF[n] for n in names if n in CEILING_OF}
     count = max(1, nbytes // max(chunk_bytes, 1))
-    out = {"memcpy": memcpy_bandwidth(nbytes)}
+    out = {"memcpy": raw.memcpy_rate(count, chunk_bytes, 3) * raw.GIB}
     if "nvme_cold" in need:
         cold = raw.file_rates(folder, count, chunk_bytes, 3)["get_cold"]
         if cold:

@@ -45,8 +45,7 @@ def _pinnable_tier(engine: KVCacheEngine, command: pb.Command) -> str | None:
     backend = next((b for b in engine.backends if b.name == command.tier), None)
     if backend is not None and not can_pin(backend):
         pinnable = [b.name for b in engine.backends if can_pin(b)]
-        raise ValueError(f"tier {command.tier!r} cannot pin (Redis evicts by its own maxmemory policy); "
-                         f"tiers that can: {pinnable}")
+        raise ValueError(f"tier {command.tier!r} cannot pin; tiers that can: {pinnable}")
     return command.tier
 
 

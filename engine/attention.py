@@ -172,10 +172,10 @@ def _span_bias(meta: AttentionMetadata, index: int, fold: int, dtype: torch.dtyp
     if bias is None:
         span = meta.prefills[index]
         device = span.block_table.device
-        hidden = torch.zeros(span.num_tokens, span.context_len, dtype=torch.bool, device=device)
-        hidden[:, span.num_cached:] = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool,
-                                                 device=device).triu(1)
-        bias = _bias(hidden, dtype).repeat(fold, 1)
+        bias = torch.zeros(span.num_tokens, span.context_len, dtype=dtype, device=device)
+        bias[:, span.num_cached:] = torch.full((span.num_tokens, span.num_tokens), float("-inf"), dtype=dtype,
+                                               device=device).triu(1)
+        bias = bias.repeat(fold, 1)
         meta.biases[key] = bias
     return bias
 

@@ -43,7 +43,6 @@ from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.storage import StorageBackend
 from kvlayer.streaming import LayerGroups, LayerStream
-from kvlayer.tier_admin import get_many_checked
 from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier, TierFailure
 
 log = logging.getLogger(__name__)
@@ -248,7 +247,8 @@ class TierManager:
                 if not missing or not tier.usable():
                     continue
                 try:
-                    got = await tier.call("get_many", get_many_checked(tier.backend, [keys[j] for j in missing]))
+                    asked = [keys[j] for j in missing]
+                    got = await tier.call("get_many", tier_admin.get_many_checked(tier.backend, asked))
                 except TierFailure:
                     continue
                 for j, obj in zip(missing, got):
@@ -275,7 +275,7 @@ class TierManager:
                 stored = await tier.call("put_many", put(keys[n:], chunks[n:]))
         except TierFailure:
             return
-        written = [c for c, ok in zip(chunks[n:], stored or [True] * (len(keys) - n)) if ok]
+        written = chunks[n:] if stored is None else [c for c, ok in zip(chunks[n:], stored) if ok]
         tier.metrics.inc("put_chunks", len(written))
         tier.metrics.inc("put_bytes", sum(c.nbytes for c in written))
         if counter is not None:

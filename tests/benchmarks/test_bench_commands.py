@@ -81,6 +81,13 @@ def test_ttft_measures_every_tier_both_loading_modes_and_partial_hits(tiny_model
         assert v["crossover"]["kind"] in ("below", "between", "never")
         for row in v["by_length"]:
             assert row["miss_s"] > 0 and row["hit_s"] > 0 and row["speedup"] > 0
+            # each hit's floor: its bytes over its own tier's raw ceiling (NVMe: cold reads,
+            # Redis: GETs, CPU: copies) plus the suffix's compute
+            ceiling = {"cpu": "memcpy", "nvme": "nvme_cold", "cpu+nvme": "nvme_cold",
+                       "redis": "redis_get"}[v["config"]]
+            gib_s = rec["ceilings_gib_s"].get(ceiling, rec["ceilings_gib_s"]["memcpy"])
+            floor = row["cached"] * rec["model"]["kv_bytes_per_token"] / (gib_s * 2**30)
+            assert row["floor_s"] == pytest.approx(floor + rec["baselines"][str(row["prefix"])]["suffix_s"])
             assert row["hit_over_floor"] == pytest.approx(row["hit_s"] / row["floor_s"])
             assert row["hit_tiers"] == {tier: row["cached"]}, label
             assert row["load_s"] is not None and row["load_s"] > 0

@@ -165,10 +165,11 @@ def test_the_main_job_runs_a_working_set_at_least_4x_the_engine_kv():
 
 
 def test_engine_bench_kv_cache_holds_its_largest_case():
-    for lengths, seqs, prompt, tokens in [([512, 2048, 8192], 16, 128, 32), ([32], 2, 16, 4), ([1], 1, 1, 1)]:
-        blocks = kv_blocks(lengths, seqs, prompt, tokens)
-        assert blocks * 16 > max([*lengths, 64])
-        assert blocks >= seqs * -(-(prompt + tokens) // 16)
+    # by hand: 8192 + 1 tokens need 513 blocks of 16, +1 spare; 16 x (160 tokens: 10 blocks + 1) = 176
+    assert kv_blocks([512, 2048, 8192], 16, 128, 32) == 514
+    # the decode case is the larger: 2 x (20 tokens: 2 blocks + 1) = 6 against 64 + 1 tokens: 5 + 1
+    assert kv_blocks([32], 2, 16, 4) == 6
+    assert kv_blocks([1], 1, 1, 1) == 6  # the 64-token warm-up
 
 
 # ----- configurations ---------------------------------------------------------------------
