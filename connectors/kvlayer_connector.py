@@ -41,10 +41,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load tokens ``[start, end)`` of the request (chunk ``keys`` from token 0) into its blocks."""
+    """Load tokens ``[start, end)`` of the request (chunk ``keys`` from token 0) into its blocks,
+    each found chunk from the tier the scheduler's lookup found it in (``sources``)."""
 
     request_id: str
     keys: tuple[ChunkKey, ...]
+    sources: tuple[int, ...]
     block_ids: tuple[int, ...]
     start: int
     end: int
@@ -72,6 +74,7 @@ class _ReqState:
     keys: list[ChunkKey]
     saved_upto: int = 0
     matched: tuple[int, int] = (0, 0)
+    sources: tuple[int, ...] = ()
     load: tuple[int, int] | None = None
 
 
@@ -93,12 +96,12 @@ class KVLayerConnector(KVConnectorBase):
     """kvlayer as the bundled engine's connector. ``kv_config``: a KVLayerConfig, dict or YAML path."""
 
     def __init__(self, kv_config: Any, ctx: KVConnectorContext,
-                 cache_engine: KVCacheEngine | None = None) -> None:
+                 kv: KVCacheEngine | None = None) -> None:
         layout = KVLayout(ctx.num_layers, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.block_size)
-        self.engine = cache_engine or KVCacheEngine(
+        self.kv = kv or KVCacheEngine(
             kv_config, layout, ctx.device, model_name=ctx.model_name,
             model_fingerprint=ctx.model_fingerprint, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-        self.config = self.engine.config
+        self.config = self.kv.config
         self.block_size = ctx.block_size
         self.device = torch.device(ctx.device)
         self._reqs: dict[str, _ReqState] = {}
@@ -113,7 +116,7 @@ class KVLayerConnector(KVConnectorBase):
         if self.config.controller_url:
             from kvlayer.controller.agent import start_agent
 
-            self._agent = start_agent(self.engine, self.config, address=self.config.instance_address)
+            self._agent = start_agent(self.kv, self.config, address=self.config.instance_address)
 
     @property
     def agent(self) -> Any:
@@ -130,14 +133,15 @@ class KVLayerConnector(KVConnectorBase):
         limit = len(token_ids) if self.config.save_decode_cache else num_prompt
         if not st.keys or st.keys[-1].end < limit:
             full = [k for k in st.keys if k.num_tokens == self.config.chunk_size]
-            st.keys = self.engine.keys(token_ids[:limit], salt, prefix=full)
+            st.keys = self.kv.keys(token_ids[:limit], salt, prefix=full)
         return st
 
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
         st = self._state(request.request_id, request.token_ids, len(request.prompt_token_ids),
                          request.cache_salt)
-        usable = min(self.engine.lookup_keys(st.keys), len(request.token_ids) - 1)
-        st.matched = (num_computed_tokens, usable)
+        found = self.kv.find(st.keys)
+        usable = min(found.num_tokens, len(request.token_ids) - 1)
+        st.matched, st.sources = (num_computed_tokens, usable), found.sources
         return max(0, usable - num_computed_tokens)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
@@ -160,7 +164,7 @@ class KVLayerConnector(KVConnectorBase):
             if st.load is not None:
                 start, end = st.load
                 st.load = None
-                loads.append(LoadSpec(s.request_id, tuple(st.keys), tuple(s.block_ids), start, end))
+                loads.append(LoadSpec(s.request_id, tuple(st.keys), st.sources, tuple(s.block_ids), start, end))
             done = s.num_computed_tokens + s.num_scheduled_tokens
             due = [k for k in st.keys if st.saved_upto < k.end <= done]
             if due:
@@ -177,15 +181,16 @@ class KVLayerConnector(KVConnectorBase):
         self._failed = {}
         self._load = self._save = None
         try:
-            self._save = SaveJob(self.engine, [
+            kv = self.kv
+            self._save = SaveJob(kv.tiers, kv.chunk_staging, [
                 SaveItem(s.request_id, s.keys, self._slots(s.block_ids, s.keys[-1].end)) for s in metadata.saves
             ], self._streams.store)
-            items = [LoadItem(ld.request_id, ld.keys, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
+            items = [LoadItem(ld.request_id, ld.keys, ld.sources, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
                      for ld in metadata.loads]
             if items:
                 layerwise = self.config.layerwise
-                self._load = LoadJob(self.engine, self._caches, items, self._loader if layerwise else None,
-                                     self._streams.load if layerwise else None)
+                self._load = LoadJob(kv.tiers, kv.chunk_staging, kv.groups, self._caches, items,
+                                     self._loader if layerwise else None, self._streams.load if layerwise else None)
         except Exception:  # a bug below must cost a recompute, never the engine
             log.exception("kvlayer: preparing the step's transfers failed")
             self._failed = {ld.request_id: ld.start for ld in metadata.loads}
@@ -223,10 +228,10 @@ class KVLayerConnector(KVConnectorBase):
         return False
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        return self.kv.stats()
 
     def close(self) -> None:
         if self._agent is not None:
             self._agent.close()
         self._loader.shutdown(wait=True)
-        self.engine.close()
+        self.kv.close()

@@ -32,7 +32,7 @@ from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.config import KVLayerConfig
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller import controller_pb2_grpc as pb_grpc
-from kvlayer.controller.agent_commands import can_pin, run_command
+from kvlayer.controller.agent_commands import run_command
 from kvlayer.controller.auth import bearer
 from kvlayer.controller.channel import aio_channel, parse_target
 from kvlayer.controller.events import EventBuffer
@@ -64,15 +64,16 @@ class ResyncNeeded(Exception):
 
 
 class ControllerAgent:
-    """Keeps ``engine`` registered with the controller at ``url`` (see the module docstring).
+    """Keeps the instance whose kvlayer is ``kv`` registered with the controller at ``url`` (see
+    the module docstring).
 
-    ``start()`` returns at once; ``close()`` stops the thread (call it before closing the
-    engine). ``ValueError`` for a malformed ``url``.
+    ``start()`` returns at once; ``close()`` stops the thread (call it before closing ``kv``).
+    ``ValueError`` for a malformed ``url``.
     """
 
-    def __init__(self, engine: KVCacheEngine, url: str, token: str | None = None, *, address: str = "",
+    def __init__(self, kv: KVCacheEngine, url: str, token: str | None = None, *, address: str = "",
                  backoff_s: tuple[float, float] = (0.2, 5.0)) -> None:
-        self._engine = engine
+        self._kv = kv
         self._target = parse_target(url)
         self._metadata = bearer(token)
         self._address = address
@@ -90,8 +91,8 @@ class ControllerAgent:
 
     @property
     def instance_id(self) -> str:
-        """The engine's instance id (what it registers as)."""
-        return self._engine.instance_id
+        """The instance id (what it registers as)."""
+        return self._kv.instance_id
 
     @property
     def connected(self) -> bool:
@@ -102,14 +103,14 @@ class ControllerAgent:
         """Listen to the tiers and start connecting in the background (idempotent)."""
         if self._thread is not None:
             return
-        for backend in self._engine.backends:
+        for backend in self._kv.backends:
             backend.set_listener(self)
         self._thread = threading.Thread(target=self._main, name="kvlayer-controller-agent", daemon=True)
         self._thread.start()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop listening and disconnect; waits up to ``timeout`` s for the thread (idempotent)."""
-        for backend in self._engine.backends:
+        for backend in self._kv.backends:
             backend.set_listener(None)
         self._events.record(False)
         if self._thread is None:
@@ -186,7 +187,7 @@ class ControllerAgent:
                 if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
                     raise ConnectionError("the controller did not acknowledge the registration")
                 interval = min(max(first.registered.heartbeat_interval_ms / 1000, 0.05), 60.0)
-                snapshot = await asyncio.to_thread(self._engine.snapshot)
+                snapshot = await asyncio.to_thread(self._kv.snapshot)
                 for part in _snapshot_parts(snapshot):
                     await call.write(pb.InstanceMessage(snapshot=part))
                 self.registrations += 1
@@ -237,25 +238,26 @@ class ControllerAgent:
             if message is grpc.aio.EOF:
                 raise ConnectionError("the controller closed the stream")
             if message.WhichOneof("body") == "command":
-                reply = await asyncio.to_thread(run_command, self._engine, message.command)
+                reply = await asyncio.to_thread(run_command, self._kv, message.command)
                 outbox.put_nowait(pb.InstanceMessage(reply=reply))
 
     # --- messages -------------------------------------------------------------------------
     def _registration(self) -> pb.Register:
-        engine = self._engine
+        kv = self._kv
+        pinnable = kv.pinnable_tiers()
         tiers = []
-        for backend in sorted(engine.backends, key=lambda b: b.rank):
+        for backend in sorted(kv.backends, key=lambda b: b.rank):
             shared = SHARED_TIERS.get(backend.name)
             tiers.append(pb.TierInfo(name=backend.name, rank=backend.rank, in_memory=backend.in_memory,
-                                     shared_id=shared(engine.config) if shared else "",
-                                     cannot_pin=not can_pin(backend)))
+                                     shared_id=shared(kv.config) if shared else "",
+                                     cannot_pin=backend.name not in pinnable))
         return pb.Register(instance_id=self.instance_id, address=self._address, tiers=tiers,
-                           namespace=namespace_to_wire(engine.namespace, engine.config.save_partial_chunks))
+                           namespace=namespace_to_wire(kv.namespace, kv.config.save_partial_chunks))
 
     def _heartbeat(self) -> pb.Heartbeat:
-        """Per-tier counters from ``engine.stats()`` (runs on a worker thread)."""
+        """Per-tier counters from ``kv.stats()`` (runs on a worker thread)."""
         tiers = []
-        for name, values in self._engine.stats().get("tiers", {}).items():
+        for name, values in self._kv.stats().get("tiers", {}).items():
             counts = {k: max(0, int(values.get(k, 0))) for k in STAT_FIELDS}
             healthy = bool(values.get("health", {}).get("healthy", True))
             tiers.append(pb.TierStats(tier=name, healthy=healthy, **counts))
@@ -278,13 +280,13 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def start_agent(engine: KVCacheEngine, config: KVLayerConfig, address: str = "") -> ControllerAgent | None:
-    """Start an agent for ``engine`` when ``config.controller_url`` is set; None otherwise, or
+def start_agent(kv: KVCacheEngine, config: KVLayerConfig, address: str = "") -> ControllerAgent | None:
+    """Start an agent for ``kv`` when ``config.controller_url`` is set; None otherwise, or
     (logged) when it cannot start: the engine never fails because of the controller."""
     if not config.controller_url:
         return None
     try:
-        agent = ControllerAgent(engine, config.controller_url, config.controller_token, address=address)
+        agent = ControllerAgent(kv, config.controller_url, config.controller_token, address=address)
         agent.start()
     except Exception:
         log.exception("kvlayer: cannot start the controller agent; running without a controller")

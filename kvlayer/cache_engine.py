@@ -1,8 +1,10 @@
-"""``KVCacheEngine``: kvlayer's engine-agnostic API (ARCHITECTURE.md section 5).
+"""``KVCacheEngine``: kvlayer's engine-agnostic API (docs/architecture.md section 5).
 
 For any engine with a paged KV cache: ``lookup`` how many prefix tokens kvlayer holds,
 ``store`` a sequence's chunks out of the paged cache, ``retrieve`` them back into it. The
-bundled engine's connector is built on this class; other engines call it directly.
+bundled engine's connector is built on the same parts (its ``LoadJob``/``SaveJob`` run over
+this object's ``tiers`` and ``staging``); other engines call it directly. ``store`` and
+``retrieve`` are one ``SaveJob`` and one ``LoadJob``: there is one save path and one load path.
 
 Threading: call it from one engine thread; storage I/O runs on its own background loop.
 """
@@ -16,19 +18,20 @@ from typing import Any
 
 import torch
 
+from kvlayer import tier_admin
 from kvlayer.config import KVLayerConfig
 from kvlayer.exporter import expose, withdraw
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
 from kvlayer.layout import KVLayout
-from kvlayer.memory import Arena, MemoryObj
-from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
+from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob
+from kvlayer.read_plan import layer_groups
 from kvlayer.registry import build_backends
+from kvlayer.staging import Staging
 from kvlayer.storage import BackendContext, StorageBackend
-from kvlayer.streaming import LayerStream, layer_groups
-from kvlayer.tier_manager import TierManager
-from kvlayer.transfer import gather, wait_for_copies
+from kvlayer.tier_manager import LookupResult, TierManager
+from kvlayer.transfer import wait_for_copies
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +56,16 @@ class KVCacheEngine:
         self.device = torch.device(device)
         self.namespace = Namespace(model_name, model_fingerprint, layout, self.config.chunk_size,
                                    tp_rank, tp_size, self.config.cache_salt)
-        chunk_bytes = layout.chunk_bytes(self.config.chunk_size)
-        self.staging = Arena(max(self.config.staging_capacity, chunk_bytes), chunk_bytes, "cpu", pin=True,
-                             name="kvlayer staging")
         self.instance_id = self.config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
+        self.metrics = Metrics(self.instance_id)
+        self.chunk_staging = Staging.create(layout, self.config.chunk_size, self.config.staging_capacity, self.metrics)
+        self.staging = self.chunk_staging.arena
         ctx = BackendContext(self.config, layout, self.device, self.staging, self.instance_id)
         self.backends = list(backends) if backends is not None else build_backends(ctx)
         self.loop = IOLoop()
-        self.metrics = Metrics(self.instance_id)
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
-        self._groups = layer_groups(layout.num_layers, chunk_bytes // layout.num_layers)
+        self.groups = layer_groups(layout.num_layers, layout.chunk_bytes(self.config.chunk_size) // layout.num_layers)
+        """The layer groups lower tiers' reads arrive in (``kvlayer.read_plan``)."""
         self.tiers.warm_up()
         self._exposed = bool(self.config.metrics_port) and expose(
             self.metrics, self.config.metrics_host, self.config.metrics_port)
@@ -81,8 +84,14 @@ class KVCacheEngine:
         return self.lookup_keys(self.keys(token_ids, cache_salt))
 
     def lookup_keys(self, keys: Sequence[ChunkKey]) -> int:
-        n = self.tiers.lookup(keys).num_chunks
-        return keys[n - 1].end if n else 0
+        """``lookup`` for keys already computed: how many leading tokens of them kvlayer holds."""
+        return self.find(keys).num_tokens
+
+    def find(self, keys: Sequence[ChunkKey], record: bool = True) -> LookupResult:
+        """The held prefix of ``keys`` and the tier each of its chunks is in (no data moved); a
+        ``LoadItem`` built from its ``sources`` reads each chunk from there. ``record=False``
+        leaves the lookup counters alone."""
+        return self.tiers.lookup(keys, record)
 
     def store(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
               cache_salt: str | None = None, keys: Sequence[ChunkKey] | None = None) -> int:
@@ -90,66 +99,21 @@ class KVCacheEngine:
 
         ``slot_mapping`` holds one slot per token of ``token_ids`` (int64, caches' device).
         Chunks already held are skipped. Returns how many chunks were handed to the tiers;
-        lower tiers are written in the background. Never raises for a tier failure.
+        lower tiers are written in the background. Never raises for a tier failure;
+        ``ValueError`` if ``slot_mapping`` is too short.
         """
         keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
-        if len(slot_mapping) < (keys[-1].end if keys else 0):
+        if not keys:
+            return 0
+        if len(slot_mapping) < keys[-1].end:
             raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens")
-        todo, objs = self.stage(keys)
-        try:
-            for key, obj in zip(todo, objs, strict=True):
-                gather(kv_caches, slot_mapping[key.start : key.end], obj.tensor)
-            wait_for_copies(slot_mapping.device)
-        except BaseException:
-            _release(objs)
-            raise
-        self.commit(todo, objs)
-        return len(todo)
-
-    def stage(self, keys: Sequence[ChunkKey]) -> tuple[list[ChunkKey], list[MemoryObj]]:
-        """Empty staging chunks for the ``keys`` kvlayer does not hold yet (those after the held
-        prefix, as many as staging memory allows): the keys and one chunk each, in order.
-
-        The caller owns one reference to each chunk: it fills them (``kvlayer.transfer.gather``
-        or, layer by layer, ``gather_layer``), then hands them to ``commit``, or releases them.
-        """
-        return self.stage_many([keys])[0]
-
-    def stage_many(self, requests: Sequence[Sequence[ChunkKey]]) -> list[tuple[list[ChunkKey], list[MemoryObj]]]:
-        """``stage`` for several key lists, with one presence check of the tiers for all of them."""
-        held = self.tiers.lookup_many(requests, record=False)
-        out = []
-        for keys, found in zip(requests, held):
-            todo, objs = [], []
-            for key in keys[found.num_chunks :]:
-                obj = self._allocate(key)
-                if obj is None:
-                    break
-                todo.append(key)
-                objs.append(obj)
-            out.append((todo, objs))
-        return out
-
-    def commit(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
-        """Store filled ``chunks`` under ``keys`` (the top memory tier now, the lower tiers in the
-        background) and release the caller's references, also when storing fails."""
-        try:
-            if keys:
-                self.tiers.store(keys, chunks)
-        finally:
-            _release(chunks)
-
-    def fetch_layers(self, requests: Sequence[Sequence[ChunkKey]]) -> LayerStream:
-        """The chunks of the longest held prefix of each key list, read from all tiers at once;
-        those of lower tiers arrive layer group by layer group (``kvlayer.streaming``). The
-        caller follows the ``LayerStream`` contract (``wait_layer``, ``finish``, ``release``)."""
-        return self.tiers.stream_many(requests, self._groups, self._allocate)
-
-    def _allocate(self, key: ChunkKey) -> MemoryObj | None:
-        obj = self.staging.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
-        if obj is None:
-            self.metrics.count("staging", "errors")
-        return obj
+        job = SaveJob(self.tiers, self.chunk_staging, [SaveItem("store", tuple(keys), slot_mapping)])
+        for layer, cache in enumerate(kv_caches):
+            job.layer(layer, cache)
+        wait_for_copies(slot_mapping.device)
+        staged = len(job)
+        job.finish()
+        return staged
 
     def retrieve(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
                  cache_salt: str | None = None, start: int = 0, keys: Sequence[ChunkKey] | None = None) -> int:
@@ -159,16 +123,15 @@ class KVCacheEngine:
         given for every token of ``token_ids``. Returns the number of leading tokens now
         available (including those before ``start``), or ``start`` if nothing after it was.
         """
-        from kvlayer.pipeline import LoadItem, LoadJob  # the pipeline is built on this class
-
         keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
         keys = [k for k in keys if k.end <= len(token_ids)]
-        end = keys[-1].end if keys else 0
-        if end <= start:
+        found = self.find(keys, record=False)  # where to read from; the caller's lookup was counted
+        if found.num_tokens <= start:
             return start
-        job = LoadJob(self, kv_caches, [LoadItem("retrieve", tuple(keys), slot_mapping, start, end)])
+        item = LoadItem("retrieve", tuple(keys), found.sources, slot_mapping, start, found.num_tokens)
+        job = LoadJob(self.tiers, self.chunk_staging, self.groups, kv_caches, [item])
         wait_for_copies(slot_mapping.device)
-        return job.failures().get("retrieve", end)
+        return job.failures().get("retrieve", found.num_tokens)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait for background writes (tests and shutdown)."""
@@ -196,16 +159,37 @@ class KVCacheEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ----- admin operations (the controller agent, issue 6) -----------------------------
+    # ----- admin operations (the controller agent, docs/architecture.md section 7) -------
+    @property
+    def tier_names(self) -> list[str]:
+        """The tiers' names, top first."""
+        return self.tiers.tier_names
+
+    def pinnable_tiers(self) -> list[str]:
+        """The tiers whose ``pin`` protects chunks (not Redis: it evicts by its own policy)."""
+        return [b.name for b in self.backends if tier_admin.can_pin(b)]
+
     def snapshot(self) -> dict[str, list[bytes]]:
         """Digests of the chunks each tier holds, by tier name (the controller's registry)."""
-        return self.tiers.snapshot()
+        return tier_admin.snapshot(self.tiers)
+
+    def pin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
+        """Pin the present ``keys`` in ``tier`` (every tier if None); how many were pinned."""
+        return tier_admin.pin(self.tiers, keys, tier)
+
+    def unpin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
+        """Undo one pin of each pinned key in ``tier`` (every tier if None); how many."""
+        return tier_admin.unpin(self.tiers, keys, tier)
+
+    def remove(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
+        """Remove the present, unpinned ``keys`` from ``tier`` (every tier if None); how many."""
+        return tier_admin.remove(self.tiers, keys, tier)
 
     def copy(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str | None = None) -> int:
         """Copy the longest prefix of ``keys`` held in ``src_tier`` (None: any other tier) into
-        ``dst_tier``; returns how many leading keys ``dst_tier`` then holds (``TierManager.copy``)."""
-        return self.tiers.copy(keys, dst_tier, src_tier)
+        ``dst_tier``; returns how many leading keys ``dst_tier`` then holds (``tier_admin.copy``)."""
+        return tier_admin.copy(self.tiers, keys, dst_tier, src_tier)
 
     def evict_all(self, tier: str | None = None) -> int:
         """Remove every unpinned chunk from ``tier`` (every tier if None); returns how many."""
-        return self.tiers.remove_all(tier)
+        return tier_admin.remove_all(self.tiers, tier)

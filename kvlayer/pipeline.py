@@ -1,18 +1,19 @@
-"""Layer-by-layer transfers between kvlayer and a paged KV cache (ARCHITECTURE.md section 6).
+"""Layer-by-layer transfers between kvlayer and a paged KV cache (docs/architecture.md section 6).
 
 ``LoadJob`` brings one step's matched prefixes into the cache. It reads every request's
-chunks from their tiers at once (``KVCacheEngine.fetch_layers``: memory tiers' chunks whole,
-lower tiers' layer group by layer group), copies each layer into the cache as soon as it has
-arrived for every chunk, and marks it ready; the forward pass calls ``wait_layer(i)`` just
+chunks from the tiers the lookup found them in, all at once (``kvlayer.read_plan``: memory
+tiers' chunks whole, lower tiers' layer group by layer group), copies each layer into the
+cache as soon as it has arrived for every chunk, and marks it ready; the forward pass calls ``wait_layer(i)`` just
 before layer i's attention, so it computes layer i while later layers are still being read
 and copied. Run on an executor thread (layerwise) or right away (baseline). A chunk that fails
 verification after its first layers were used ends the request's valid prefix (``failures``):
 the engine then discards the step's work for that request and recomputes it.
 
 ``SaveJob`` takes one step's newly completed chunks out of the cache: staging chunks are
-allocated when the step starts, ``layer(i, cache)`` copies layer i into them right after that
-layer's attention, and ``finish`` hands them to the tiers (the lower tiers are written in the
-background), so the step waits only for the copies.
+allocated when the step starts (for the chunks after the prefix the tiers already hold),
+``layer(i, cache)`` copies layer i into them right after that layer's attention, and ``finish``
+hands them to the tiers (the lower tiers are written in the background), so the step waits only
+for the copies.
 
 On CUDA both jobs copy on their own streams and order themselves against the engine's stream
 with events (no device-wide synchronisation); on the CPU they use the torch copies. A job owns
@@ -30,11 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
-from kvlayer.streaming import LayerStream
+from kvlayer.read_plan import ChunkReads, LayerGroups, ReadPlan
+from kvlayer.staging import Staging
+from kvlayer.tier_manager import TierManager
 from kvlayer.transfer import gather_layer, scatter_layer
 
 log = logging.getLogger(__name__)
@@ -45,18 +47,22 @@ class LoadItem:
     """Bring tokens ``[start, end)`` of one request into the cache.
 
     ``keys``: the request's chunk keys from token 0 (at least those overlapping ``[start, end)``);
-    ``slots``: int64 on the caches' device, the cache slot of each token ``0..end-1``.
+    ``sources``: the tier of each of its leading found chunks (``LookupResult.sources``; the
+    chunks after them are not read); ``slots``: int64 on the caches' device, the cache slot of
+    each token ``0..end-1``.
     """
 
     request_id: str
     keys: tuple[ChunkKey, ...]
+    sources: tuple[int, ...]
     slots: torch.Tensor
     start: int
     end: int
 
-    def wanted(self) -> list[ChunkKey]:
-        """The chunks holding tokens of ``[start, end)``, in order."""
-        return [k for k in self.keys if k.end > self.start and k.start < self.end]
+    def plan(self) -> ReadPlan:
+        """The found chunks holding tokens of ``[start, end)``, in order, with their tiers."""
+        wanted = [i for i, k in enumerate(self.keys[: len(self.sources)]) if k.end > self.start and k.start < self.end]
+        return ReadPlan(tuple(self.keys[i] for i in wanted), tuple(self.sources[i] for i in wanted))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,14 +78,18 @@ class SaveItem:
 class LoadJob:
     """One step's loads; see the module docstring.
 
-    ``executor`` None: everything is loaded before the constructor returns. ``stream``: the
-    CUDA stream to copy on (None off CUDA). Call ``wait_layer`` for each layer before using it
-    and ``failures`` once after the forward pass.
+    Reads go through ``tiers`` into ``staging`` chunks, layer ``groups`` at a time (see
+    ``kvlayer.read_plan``). ``executor`` None: everything is loaded before the constructor
+    returns. ``stream``: the CUDA stream to copy on (None off CUDA). Call ``wait_layer`` for
+    each layer before using it and ``failures`` once after the forward pass.
     """
 
-    def __init__(self, engine: KVCacheEngine, caches: Sequence[torch.Tensor], items: Sequence[LoadItem],
-                 executor: Executor | None = None, stream: torch.cuda.Stream | None = None) -> None:
-        self._engine = engine
+    def __init__(self, tiers: TierManager, staging: Staging, groups: LayerGroups, caches: Sequence[torch.Tensor],
+                 items: Sequence[LoadItem], executor: Executor | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        self._tiers = tiers
+        self._staging = staging
+        self._groups = groups
         self._caches = list(caches)
         self._items = list(items)
         self._stream = stream
@@ -108,21 +118,22 @@ class LoadJob:
 
     # --- the job --------------------------------------------------------------------------
     def _run(self) -> None:
-        stream: LayerStream | None = None
+        reads: ChunkReads | None = None
         try:
-            wanted = [item.wanted() for item in self._items]
-            stream = self._engine.fetch_layers(wanted)
+            plans = [item.plan() for item in self._items]
+            reads = ChunkReads.open(self._tiers, plans, self._staging, self._groups)
+            objs = reads.objs
             with _on(self._stream, self._start_event):
                 for layer, cache in enumerate(self._caches):
-                    stream.wait_layer(layer)
-                    for item, keys, objs in zip(self._items, wanted, stream.objs, strict=True):
-                        _scatter_layer(layer, cache, item, keys, objs)
+                    reads.wait_layer(layer)
+                    for item, plan, chunks in zip(self._items, plans, objs, strict=True):
+                        _scatter_layer(layer, cache, item, plan.keys, chunks)
                     if self._events:
                         self._events[layer].record(self._stream)
                     self._ready[layer].set()
-            counts = stream.finish()
-            for item, keys, n in zip(self._items, wanted, counts, strict=True):
-                self._valid[item.request_id] = min(keys[n - 1].end, item.end) if n else item.start
+            counts = reads.finish()
+            for item, plan, n in zip(self._items, plans, counts, strict=True):
+                self._valid[item.request_id] = min(plan.keys[n - 1].end, item.end) if n else item.start
         except Exception:  # a bug below must cost a recompute, never the engine
             log.exception("kvlayer: loading %d requests failed; they are recomputed", len(self._items))
         finally:
@@ -130,21 +141,31 @@ class LoadJob:
                 ready.set()
             if self._stream is not None:
                 self._stream.synchronize()  # the copies read the chunks released below
-            if stream is not None:
-                stream.release()
+            if reads is not None:
+                reads.release()
 
 
 class SaveJob:
     """One step's saves; see the module docstring. Stages the chunks at construction; call
-    ``layer`` for every layer (in any order), then ``finish`` exactly once."""
+    ``layer`` for every layer (in any order), then ``finish`` exactly once.
 
-    def __init__(self, engine: KVCacheEngine, items: Sequence[SaveItem],
+    Each item's chunks after the leading ones the tiers hold already (one presence check for
+    all items) get a ``staging`` chunk, as many as staging memory allows; ``finish`` hands them
+    to ``tiers`` (the top memory tier now, the others in the background).
+    """
+
+    def __init__(self, tiers: TierManager, staging: Staging, items: Sequence[SaveItem],
                  stream: torch.cuda.Stream | None = None) -> None:
-        self._engine = engine
+        self._tiers = tiers
         self._stream = stream
         self._chunks: list[tuple[str, ChunkKey, MemoryObj, torch.Tensor]] = []
-        for item, (keys, objs) in zip(items, engine.stage_many([item.keys for item in items])):
-            self._chunks += [(item.request_id, k, o, item.slots[k.start : k.end]) for k, o in zip(keys, objs)]
+        held = tiers.lookup_many([item.keys for item in items], record=False) if items else []
+        for item, found in zip(items, held):
+            for key in item.keys[found.num_chunks :]:
+                obj = staging.allocate(key)
+                if obj is None:
+                    break
+                self._chunks.append((item.request_id, key, obj, item.slots[key.start : key.end]))
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -168,19 +189,21 @@ class SaveJob:
         except BaseException:
             _release([obj for _, _, obj, _ in chunks])
             raise
-        by_request: dict[str, tuple[list[ChunkKey], list[MemoryObj]]] = {}
+        keys, objs = [], []
         for rid, key, obj, _ in chunks:
             if key.end > failed.get(rid, key.end):
                 obj.release()
                 continue
-            keys, objs = by_request.setdefault(rid, ([], []))
             keys.append(key)
             objs.append(obj)
-        for keys, objs in by_request.values():
-            self._engine.commit(keys, objs)
+        try:
+            if keys:
+                self._tiers.store(keys, objs)  # one trip to the tiers for the whole step
+        finally:
+            _release(objs)
 
 
-def _scatter_layer(layer: int, cache: torch.Tensor, item: LoadItem, keys: list[ChunkKey],
+def _scatter_layer(layer: int, cache: torch.Tensor, item: LoadItem, keys: Sequence[ChunkKey],
                    objs: list[MemoryObj]) -> None:
     for key, obj in zip(keys, objs):
         lo, hi = max(key.start, item.start), min(key.end, item.end)

@@ -23,6 +23,7 @@ never be returned: a backend verifies headers and checksums (``kvlayer.serde``) 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,6 +34,20 @@ from kvlayer.config import KVLayerConfig
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj, release_all
+
+log = logging.getLogger("kvlayer.backends")
+
+
+def check_batch(keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], layout: KVLayout) -> None:
+    """``ValueError`` unless there is one chunk per key, each of its key's shape and ``layout.dtype``
+    (what every backend's ``put_many`` checks before it stores anything)."""
+    if len(keys) != len(chunks):
+        raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
+    for key, chunk in zip(keys, chunks):
+        want = layout.chunk_shape(key.num_tokens)
+        if tuple(chunk.shape) != want or chunk.dtype != layout.dtype:
+            raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
+                             f"{key.hex[:16]}: expected {want} {layout.dtype}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,13 @@ class StorageBackend(abc.ABC):
     def set_listener(self, listener: TierListener | None) -> None:
         self._listener = listener
 
+    def _log_fault(self, kind: str, msg: str, *args: object) -> None:
+        """Log the first fault of each ``kind`` as a warning and later ones at debug level (the
+        backend counts every one in its ``stats()``), so a failing tier logs once, not per chunk."""
+        seen = self.__dict__.setdefault("_faults_logged", set())
+        log.log(logging.DEBUG if kind in seen else logging.WARNING, f"{self.name}: {msg}", *args)
+        seen.add(kind)
+
     def _admitted(self, digests: Sequence[bytes]) -> None:
         if self._listener is not None and digests:
             self._listener.on_admit(self.name, digests)
@@ -105,7 +127,7 @@ class StorageBackend(abc.ABC):
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
         """Fill ``outs[i]`` (a host chunk of ``keys[i]``'s shape, owned by the caller) with that
-        chunk, layer group by layer group (``kvlayer.streaming``); per key, whether it is verified.
+        chunk, layer group by layer group (``kvlayer.read_plan``); per key, whether it is verified.
 
         ``groups`` are consecutive layer ranges ``[lo, hi)`` from layer 0. ``on_group(g)`` is
         called once per group, in order, when layers ``groups[g]`` of every out are written

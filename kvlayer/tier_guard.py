@@ -1,7 +1,8 @@
 """``GuardedTier``: one storage backend behind a deadline, a health state and counters.
 
-The tier manager makes every backend call through ``GuardedTier.call``: the call gets the
-deadline; an exception or a timeout is counted (``errors``/``timeouts``), fed to the tier's
+The tier manager and the read path make every backend call through ``GuardedTier.call`` (or
+its ``get_many``/``put`` forms, which check the backend's answer and count what moved): the call
+gets the deadline; an exception or a timeout is counted (``errors``/``timeouts``), fed to the tier's
 ``TierHealth``, logged at most once per ``LOG_EVERY_S`` per tier, and raised as
 ``TierFailure`` for the manager to turn into a miss. Runs on the I/O loop, except
 ``sync_stats``, which any thread may call.
@@ -13,10 +14,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from kvlayer.health import Clock, LogThrottle, TierHealth
+from kvlayer.keys import ChunkKey
+from kvlayer.memory import MemoryObj, release_all
 from kvlayer.metrics import TierMetrics
 from kvlayer.storage import StorageBackend
 
@@ -82,6 +85,42 @@ class GuardedTier:
             log.info("kvlayer tier %s is healthy again", self.name)
         self.sync_stats()
         return result
+
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """``backend.get_many(keys)`` under the deadline, its answer checked (one result per key:
+        a wrong length is the backend's error) and its hits counted; the caller owns the chunks.
+        ``TierFailure`` as for ``call``."""
+        got = await self.call("get_many", self.backend.get_many(keys))
+        if len(got) != len(keys):
+            release_all(o for o in got if o is not None)
+            self._failed("errors", "get_many", f"{len(got)} results for {len(keys)} keys")
+            raise TierFailure
+        hits = [o for o in got if o is not None]
+        self.metrics.inc("get_chunks", len(hits))
+        self.metrics.inc("get_bytes", sum(o.nbytes for o in hits))
+        return got
+
+    async def put(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], *, skip_present: bool,
+                  promote: bool = False, counter: str | None = None) -> None:
+        """Store ``chunks`` under ``keys`` (after the leading keys the tier holds if ``skip_present``;
+        through the tier's admission policy if ``promote``), counting what it stored in
+        ``put_chunks``/``put_bytes`` (and ``counter``). A failure or an unusable tier is a miss:
+        nothing is raised. The caller keeps its references."""
+        if not self.usable():
+            return
+        stored: list[bool] | None = None
+        try:
+            n = await self.call("contains_prefix", self.backend.contains_prefix(keys)) if skip_present else 0
+            if n < len(keys):
+                put = self.backend.promote_many if promote else self.backend.put_many
+                stored = await self.call("put_many", put(keys[n:], chunks[n:]))
+        except TierFailure:
+            return
+        written = list(chunks[n:]) if stored is None else [c for c, ok in zip(chunks[n:], stored) if ok]
+        self.metrics.inc("put_chunks", len(written))
+        self.metrics.inc("put_bytes", sum(c.nbytes for c in written))
+        if counter is not None:
+            self.metrics.inc(counter, len(written))
 
     def sync_stats(self) -> None:
         """Mirror growth of the backend's own counters (evictions, checksum errors) into metrics."""

@@ -1,15 +1,16 @@
 """``TierManager``: the tiers seen as one prefix store, from the engine thread.
 
 Each call runs coroutines on the ``IOLoop`` and waits only for what the caller needs now
-(ARCHITECTURE.md section 5):
+(docs/architecture.md section 5):
 
 - ``lookup``: the longest prefix of keys present in the union of the tiers (chunk i may be in
   one tier and chunk i+1 in another). Rounds ask the usable tiers ``contains_prefix(rest)``
   (the memory tiers first, the others together only if the memory tiers lack part of
   ``rest``) and advance by the best answer, until no tier advances.
-- ``stream_many``: the longest held prefix of each key list as a ``kvlayer.streaming.LayerStream``:
-  memory tiers' chunks at once, the others' read layer group by layer group; chunks from a
-  lower tier are promoted into every upper tier in the background.
+  Each found chunk's tier is in ``LookupResult.sources``: the read path (``kvlayer.read_plan``)
+  reads it from there without asking again.
+- ``promote``: chunks a load verified from a lower tier are put into every tier above theirs in
+  the background (through each memory tier's admission policy).
 - ``store``: puts into the top tier now when it is a memory tier, and writes through to the
   other tiers in the background (skipping the leading keys a tier already holds).
 
@@ -19,6 +20,9 @@ and every later one in the call), a counter and a rate-limited log line, never a
 for the caller; a tier failing ``config.unhealthy_after`` times in a row is skipped until its
 backoff expires (``kvlayer.health``). A failing tier costs a call at most one deadline; as a
 last guard against a blocked loop, a call gives up (a miss) after (tiers + 1) deadlines.
+
+The admin operations (listing, copying, pinning, removing) are ``kvlayer.tier_admin``'s,
+called through ``KVCacheEngine``.
 """
 
 from __future__ import annotations
@@ -28,12 +32,11 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from kvlayer import tier_admin
 from kvlayer.config import KVLayerConfig
 from kvlayer.health import Clock, LogThrottle
 from kvlayer.io_loop import IOLoop
@@ -42,25 +45,24 @@ from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
 from kvlayer.metrics import Metrics
 from kvlayer.storage import StorageBackend
-from kvlayer.streaming import LayerGroups, LayerStream
-from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier, TierFailure
+from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_KeysOp = Callable[[StorageBackend], Callable[[list[ChunkKey]], Awaitable[int]]]
-"""Picks a backend's batched method that answers a count (pin, unpin, remove)."""
 _Plan = list[tuple[GuardedTier, list[ChunkKey], list[MemoryObj]]]
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """The cached prefix: ``num_chunks`` leading keys (``num_tokens`` tokens), and per tier
-    name how many of them were found first (topmost) in that tier (every asked tier listed)."""
+    """The cached prefix: ``num_chunks`` leading keys (``num_tokens`` tokens); per tier name,
+    how many of them were found first (topmost) in that tier (every asked tier listed); and
+    ``sources[i]``, the index (in ``TierManager.tier_names``) of the tier chunk i was found in."""
 
     num_chunks: int
     num_tokens: int
     per_tier: dict[str, int]
+    sources: tuple[int, ...] = ()
 
 
 class TierManager:
@@ -93,6 +95,20 @@ class TierManager:
     def tier_names(self) -> list[str]:
         return [t.name for t in self._tiers]
 
+    @property
+    def guarded(self) -> list[GuardedTier]:
+        """The tiers behind their guards, top first (index i is ``LookupResult.sources``' i)."""
+        return list(self._tiers)
+
+    @property
+    def loop(self) -> IOLoop:
+        return self._loop
+
+    @property
+    def op_timeout(self) -> float:
+        """The last-guard timeout of one operation: (tiers + 1) tier deadlines."""
+        return self._op_timeout
+
     # --- the engine-facing calls --------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey], record: bool = True) -> LookupResult:
         """How many leading ``keys`` the tiers hold together; no data moves; never raises for a tier.
@@ -107,25 +123,7 @@ class TierManager:
         miss = [LookupResult(0, 0, {}) for _ in lists]
         if not any(lists):
             return miss
-        return self._run(self._lookup_all(lists, record), "lookup", miss)
-
-    def stream_many(self, requests: Sequence[Sequence[ChunkKey]], groups: LayerGroups,
-                    allocate: Callable[[ChunkKey], MemoryObj | None]) -> LayerStream:
-        """Open a ``LayerStream`` of the longest held prefix of each key list: the memory tiers'
-        chunks at once, the lower tiers' read into ``allocate``d chunks by layer ``groups``.
-
-        Call from a thread other than the I/O loop's; the caller then follows the
-        ``LayerStream`` contract (``wait_layer``, ``finish``, ``release``); ``finish`` promotes
-        the verified lower-tier chunks into the tiers above theirs. A failure
-        or timeout while opening is an empty stream (every request a miss), never an exception.
-        """
-        self._check_open()
-        lists = [list(keys) for keys in requests]
-        if not any(lists):
-            return LayerStream.empty(lists, groups)
-        stream = LayerStream(lists, groups, self._loop, self._op_timeout, self._promote)
-        opened = stream.open(self._tiers, self._collect, allocate)
-        return self._run(opened, "load", LayerStream.empty(lists, groups), LayerStream.release)
+        return self.run(self._lookup_all(lists, record), "lookup", miss)
 
     def store(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
         """Store ``chunks[i]`` under ``keys[i]`` in every tier; returns once the top memory tier has them.
@@ -141,7 +139,7 @@ class TierManager:
             return
         top = self._tiers[0] if self._tiers[0].in_memory else None
         if top is not None:
-            self._run(self._put(top, keys, chunks, skip_present=False), "store", None)
+            self.run(top.put(keys, chunks, skip_present=False), "store", None)
         rest = [t for t in self._tiers if t is not top]
         if rest:
             self._background(self._write_through(rest, keys, chunks), chunks)
@@ -151,18 +149,6 @@ class TierManager:
         self._check_open()
         if self._tiers:
             self._background(self._warm_up(), [])
-
-    def pin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
-        """Pin the present ``keys`` in ``tier`` (every tier if None); returns how many were pinned."""
-        return self._broadcast(keys, tier, "pin", lambda b: b.pin)
-
-    def unpin(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
-        """Undo one pin of each pinned key in ``tier`` (every tier if None); returns how many."""
-        return self._broadcast(keys, tier, "unpin", lambda b: b.unpin)
-
-    def remove(self, keys: Sequence[ChunkKey], tier: str | None = None) -> int:
-        """Remove the present, unpinned ``keys`` from ``tier`` (every tier if None); returns how many."""
-        return self._broadcast(keys, tier, "remove", lambda b: b.remove)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until background writes and promotions are done (their references released);
@@ -191,7 +177,7 @@ class TierManager:
             return
         if not self.flush(timeout):
             log.warning("kvlayer: closing with background writes still running")
-        self._run(self._close_all(), "close", None)
+        self.run(self._close_all(), "close", None)
         self._closed = True
         self._metrics.set_gauge_source(None)
 
@@ -206,6 +192,7 @@ class TierManager:
             t.metrics.inc("lookups")
             t.metrics.inc("lookup_chunks", len(keys))
         per_tier = {t.name: 0 for t in tiers}
+        sources: list[int] = []
         n = 0
         while n < len(keys) and tiers:
             counts = await self._contains_round(tiers, keys[n:])
@@ -216,11 +203,12 @@ class TierManager:
                     if record:
                         t.metrics.inc("lookup_hit_chunks", counts[t] - covered)
                     per_tier[t.name] += counts[t] - covered
+                    sources += [self._tiers.index(t)] * (counts[t] - covered)
                     covered = counts[t]
             if covered == 0:
                 break
             n += covered
-        return LookupResult(n, sum(k.num_tokens for k in keys[:n]), per_tier)
+        return LookupResult(n, sum(k.num_tokens for k in keys[:n]), per_tier, tuple(sources))
 
     async def _contains_round(self, tiers: list[GuardedTier], rest: list[ChunkKey]) -> dict[GuardedTier, int]:
         """Each tier's leading count of ``rest`` (0 if it was not asked); failed tiers are left out."""
@@ -236,63 +224,13 @@ class TierManager:
                     counts[t] = max(0, min(int(answer), len(rest)))
         return counts
 
-    async def _collect(self, keys: list[ChunkKey], upto: int) -> tuple[list[MemoryObj | None], list[int]]:
-        """Per key, its chunk from the first of tiers ``0..upto-1`` that has it (None if none
-        does) and that tier's index (-1); the caller owns the chunks."""
-        found: list[MemoryObj | None] = [None] * len(keys)
-        source = [-1] * len(keys)
-        try:
-            for i, tier in enumerate(self._tiers[:upto]):
-                missing = [j for j, obj in enumerate(found) if obj is None]
-                if not missing or not tier.usable():
-                    continue
-                try:
-                    asked = [keys[j] for j in missing]
-                    got = await tier.call("get_many", tier_admin.get_many_checked(tier.backend, asked))
-                except TierFailure:
-                    continue
-                for j, obj in zip(missing, got):
-                    if obj is not None:
-                        found[j], source[j] = obj, i
-                        tier.metrics.inc("get_chunks")
-                        tier.metrics.inc("get_bytes", obj.nbytes)
-        except BaseException:
-            _release([obj for obj in found if obj is not None])
-            raise
-        return found, source
-
-    async def _put(self, tier: GuardedTier, keys: list[ChunkKey], chunks: list[MemoryObj], skip_present: bool,
-                   counter: str | None = None, promote: bool = False) -> None:
-        """Put into one tier (after its leading present keys if ``skip_present``; through its
-        admission policy if ``promote``, counting only what it stored); failures are misses."""
-        if not tier.usable():
-            return
-        stored: list[bool] | None = None
-        try:
-            n = await tier.call("contains_prefix", tier.backend.contains_prefix(keys)) if skip_present else 0
-            if n < len(keys):
-                put = tier.backend.promote_many if promote else tier.backend.put_many
-                stored = await tier.call("put_many", put(keys[n:], chunks[n:]))
-        except TierFailure:
-            return
-        written = chunks[n:] if stored is None else [c for c, ok in zip(chunks[n:], stored) if ok]
-        tier.metrics.inc("put_chunks", len(written))
-        tier.metrics.inc("put_bytes", sum(c.nbytes for c in written))
-        if counter is not None:
-            tier.metrics.inc(counter, len(written))
-
     async def _write_through(self, tiers: list[GuardedTier], keys: list[ChunkKey],
                              chunks: list[MemoryObj]) -> None:
-        await asyncio.gather(*(self._put(t, keys, chunks, skip_present=True) for t in tiers))
+        await asyncio.gather(*(t.put(keys, chunks, skip_present=True) for t in tiers))
 
     async def _promote_into(self, plan: _Plan) -> None:
-        await asyncio.gather(*(self._put(t, k, c, False, "promotions", promote=True) for t, k, c in plan))
-
-    async def _broadcast_async(self, tiers: list[GuardedTier], keys: list[ChunkKey], what: str,
-                               pick: _KeysOp) -> int:
-        calls = (t.call(what, pick(t.backend)(keys)) for t in tiers if t.usable())
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        return sum(int(a) for a in answers if not isinstance(a, BaseException))
+        await asyncio.gather(*(t.put(k, c, skip_present=False, promote=True, counter="promotions")
+                               for t, k, c in plan))
 
     async def _warm_up(self) -> None:
         calls = (t.call("contains_prefix", t.backend.contains_prefix([])) for t in self._tiers)
@@ -306,18 +244,21 @@ class TierManager:
                 log.warning("kvlayer tier %s: close failed: %r", t.name, answer)
 
     # --- engine-thread helpers ----------------------------------------------------------
-    def _run(self, coro: Coroutine[Any, Any, T], what: str, miss: T,
-             discard: Callable[[T], None] | None = None) -> T:
-        """Run ``coro`` on the loop under the last-guard timeout; ``miss`` (logged) if it passes."""
+    def run(self, coro: Coroutine[Any, Any, T], what: str, miss: T,
+            discard: Callable[[T], None] | None = None, timeout: float | None = None) -> T:
+        """Run ``coro`` on the I/O loop and return its result; after ``timeout`` seconds (default:
+        the last-guard ``op_timeout``), ``miss`` (logged as ``what``), and ``discard(result)`` if
+        it finishes later. Its exceptions propagate; ``RuntimeError`` once closed."""
         if self._closed:
             coro.close()
             raise RuntimeError("the TierManager is closed")
+        limit = self._op_timeout if timeout is None else timeout
         try:
-            return self._loop.run(coro, self._op_timeout, discard)
+            return self._loop.run(coro, limit, discard)
         except TimeoutError:
             if self._op_throttle.allow():
                 log.warning("kvlayer: %s did not finish within %.1f s (is the I/O loop blocked?); "
-                            "treated as a miss", what, self._op_timeout)
+                            "treated as a miss", what, limit)
             return miss
 
     def _background(self, job: Coroutine[Any, Any, None], hold: Sequence[MemoryObj]) -> None:
@@ -342,8 +283,9 @@ class TierManager:
             self._pending.discard(fut)
             self._idle.notify_all()
 
-    def _promote(self, keys: list[ChunkKey], objs: list[MemoryObj], sources: list[int]) -> None:
-        """Start putting the chunks that came from lower tiers into every tier above their source."""
+    def promote(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], sources: Sequence[int]) -> None:
+        """Start putting each chunk ``objs[j]`` (read from tier ``sources[j]``) into every tier above
+        its source, in the background; the caller keeps its references."""
         plan: _Plan = []
         for i, tier in enumerate(self._tiers):
             idx = [j for j, s in enumerate(sources) if s > i]
@@ -352,13 +294,8 @@ class TierManager:
         if plan:
             self._background(self._promote_into(plan), [objs[j] for j, s in enumerate(sources) if s > 0])
 
-    def _broadcast(self, keys: Sequence[ChunkKey], tier: str | None, what: str, pick: _KeysOp) -> int:
-        """Sum of ``pick(backend)(keys)`` over the selected usable tiers (a failure counts 0)."""
-        tiers = self._select(tier)
-        keys = list(keys)
-        return self._run(self._broadcast_async(tiers, keys, what, pick), what, 0) if keys else 0
-
-    def _select(self, tier: str | None) -> list[GuardedTier]:
+    def select(self, tier: str | None) -> list[GuardedTier]:
+        """The guarded tier named ``tier`` (every tier if None); ``ValueError`` for an unknown name."""
         if tier is None:
             return list(self._tiers)
         chosen = [t for t in self._tiers if t.name == tier]
@@ -376,51 +313,6 @@ class TierManager:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the TierManager is closed")
-
-    # --- admin operations (the controller agent, issue 6) -------------------------------
-    REMOVE_BATCH = 1024
-    """Chunks ``remove_all`` removes per backend call (each call has one tier deadline)."""
-
-    def snapshot(self, timeout: float = 30.0, tier: str | None = None) -> dict[str, list[bytes]]:
-        """The digests each tier (``tier`` only, if given) holds, by tier name; a tier whose
-        listing fails or takes more than ``timeout`` s answers [] (logged). Memory tiers are
-        listed on the I/O loop; the others' ``keys()`` may block (a Redis scan), so they run on
-        a worker thread. ``ValueError`` for an unknown tier."""
-        self._check_open()
-        tiers = self._select(tier)
-        try:
-            return self._loop.run(tier_admin.list_chunks(tiers, timeout), 2 * timeout)
-        except TimeoutError:
-            log.warning("kvlayer: listing the tiers' chunks did not finish within %.1f s", 2 * timeout)
-            return {}
-
-    def copy(self, keys: Sequence[ChunkKey], dst: str, src: str | None = None) -> int:
-        """Put the longest prefix of ``keys`` that tier ``src`` holds (None: that any other tier
-        holds, the upper one on a tie) into tier ``dst``, and wait until it is there.
-
-        Returns how many leading ``keys`` ``dst`` holds afterwards (a tier failure counts as
-        a miss). ``ValueError`` for an unknown tier, or ``src == dst``.
-        """
-        keys = list(keys)
-        target = self._select(dst)[0]
-        sources = self._select(src) if src is not None else [t for t in self._tiers if t is not target]
-        if target in sources:
-            raise ValueError(f"cannot copy tier {dst!r} into itself")
-        if not keys:
-            return 0
-        return self._run(tier_admin.copy_prefix(keys, sources, target, partial(self._put, skip_present=True)),
-                         "copy", 0)
-
-    def remove_all(self, tier: str | None = None) -> int:
-        """Remove every unpinned chunk ``snapshot`` lists in ``tier`` (every tier if None);
-        returns how many were removed. A shared tier (Redis) loses the chunks of every instance
-        using it. Backends find chunks by digest alone (see ``kvlayer.storage``), so each listed
-        digest stands in for its full key. ``ValueError`` for an unknown tier."""
-        removed = 0
-        for name, digests in self.snapshot(tier=tier).items():
-            for i in range(0, len(digests), self.REMOVE_BATCH):
-                removed += self.remove([ChunkKey(d, b"", 0, 0) for d in digests[i : i + self.REMOVE_BATCH]], name)
-        return removed
 
 
 async def _value(value: T) -> T:

@@ -47,23 +47,23 @@ def test_64_concurrent_requests_over_shared_prefixes(tiny_model_dir, reference, 
     stats = llm.kv_stats()["tiers"]["cpu"]
     # >=: a request preempted after its load loads again when it is re-admitted.
     assert stats["hit_tokens"] >= sum(o.num_external_tokens for o in first + second)
-    assert llm.engine.connector.engine.staging.used_count == 0
+    assert llm.engine.connector.kv.staging.used_count == 0
     assert llm.engine.scheduler.num_preemptions > 0, "the engine cache is meant to be too small"
     llm.close()
 
 
 def test_64_concurrent_requests_streaming_layers_from_disk(tiny_model_dir, reference, tmp_path, monkeypatch):
     """The same over the NVMe tier alone, each load streamed one layer at a time."""
-    from kvlayer import streaming
+    from kvlayer import read_plan
 
-    monkeypatch.setattr(streaming, "MIN_GROUP_BYTES", 1)
+    monkeypatch.setattr(read_plan, "MIN_GROUP_BYTES", 1)
     llm = make(tiny_model_dir, {"chunk_size": C, "cpu_capacity": 0, "nvme_path": str(tmp_path)})
     first = llm.generate(prompts(), PARAMS)
-    assert llm.engine.connector.engine.tiers.flush(30)
+    assert llm.engine.connector.kv.tiers.flush(30)
     second = llm.generate(prompts(), PARAMS)
     assert [o.outputs[0].token_ids for o in first] == reference
     assert [o.outputs[0].token_ids for o in second] == reference
     assert all(o.num_external_tokens >= C * 3 for o in second)
     assert llm.kv_stats()["tiers"]["nvme"]["checksum_errors"] == 0
-    assert llm.engine.connector.engine.staging.used_count == 0
+    assert llm.engine.connector.kv.staging.used_count == 0
     llm.close()

@@ -113,14 +113,14 @@ def test_capacity_and_references(tiny_model_dir):
     cap_chunks = 6
     llm = make(tiny_model_dir, {"chunk_size": C, "cpu_capacity": f"{cap_chunks * 2 * 2 * C * 2 * 16 * 4}"})
     conn = llm.engine.connector
-    cpu = next(b for b in conn.engine.backends if b.name == "cpu")
+    cpu = next(b for b in conn.kv.backends if b.name == "cpu")
     rng = random.Random(5)
     for _ in range(12):  # ~10x the tier's capacity
         p = [rng.randrange(3, 500) for _ in range(80)]
         llm.generate([{"prompt_token_ids": p}], GREEDY)
         used, capacity = cpu.usage()
         assert used <= capacity
-    conn.engine.flush()
-    assert conn.engine.staging.used_count == 0, "staging memory leaked"
+    conn.kv.flush()
+    assert conn.kv.staging.used_count == 0, "staging memory leaked"
     assert tier_stat(llm, "cpu", "evictions") > 0
     llm.close()

@@ -48,7 +48,7 @@ def baseline(tiny_model_dir: str) -> list[tuple[int, ...]]:
 
 def flush(llm: LLM) -> None:
     """Wait for kvlayer's background writes and promotions."""
-    assert llm.engine.connector.engine.tiers.flush(30.0), "background writes did not finish"
+    assert llm.engine.connector.kv.tiers.flush(30.0), "background writes did not finish"
 
 
 def ask(llm: LLM, prompt: Sequence[int]) -> RequestOutput:
@@ -90,7 +90,7 @@ def tier(llm: LLM, name: str) -> dict[str, Any]:
 
 
 def staging_used(llm: LLM) -> int:
-    return llm.engine.connector.engine.staging.used_count
+    return llm.engine.connector.kv.staging.used_count
 
 
 def redis_chunks(url: str, prefix: str = "kvlayer") -> dict[bytes, bytes | None]:
@@ -251,7 +251,7 @@ def test_redis_killed_mid_workload_and_restarted(tiny_model_dir: str, baseline: 
     killed: list[int] = []
 
     def kill_at_the_next_load() -> None:
-        backend = next(b for b in llm.engine.connector.engine.backends if b.name == "redis")
+        backend = next(b for b in llm.engine.connector.kv.backends if b.name == "redis")
         load = backend.read_layers
 
         async def dying(keys: Sequence[Any], *args: Any) -> Any:

@@ -255,11 +255,11 @@ def test_corruption_found_after_early_layers_were_used(tiny_model_dir: str, base
     """Loads stream one layer at a time, so a chunk whose last layer is corrupt is only found
     bad after the step computed over its first layers: that step's work is discarded and
     recomputed, the tokens stay those of a run without kvlayer, and later turns hit again."""
-    from kvlayer import cache_engine, streaming
+    from kvlayer import cache_engine, read_plan
 
-    monkeypatch.setattr(streaming, "MIN_GROUP_BYTES", 1)  # one group per layer
+    monkeypatch.setattr(read_plan, "MIN_GROUP_BYTES", 1)  # one group per layer
     used: list[list[tuple[int, int]]] = []
-    monkeypatch.setattr(cache_engine, "layer_groups", lambda *a: used.append(streaming.layer_groups(*a)) or used[-1])
+    monkeypatch.setattr(cache_engine, "layer_groups", lambda *a: used.append(read_plan.layer_groups(*a)) or used[-1])
     if kind == "nvme":
         where, config = str(tmp_path / "nvme"), nvme_config(tmp_path / "nvme")
     else:

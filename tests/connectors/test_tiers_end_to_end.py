@@ -35,7 +35,7 @@ def test_cpu_and_nvme_write_through_and_promotion(tiny_model_dir, baseline, tmp_
     kv = {"chunk_size": C, "cpu_capacity": "4MiB", "nvme_path": str(tmp_path)}
     llm = make(tiny_model_dir, kv)
     assert [o.outputs[0].token_ids for o in run_chat(llm, conversation())] == baseline
-    llm.engine.connector.engine.flush()
+    llm.engine.connector.kv.flush()
     on_disk = len(list(tmp_path.rglob("*.kvc")))
     assert on_disk == llm.kv_stats()["tiers"]["cpu"]["put_chunks"], "every stored chunk is written through"
     llm.close()
@@ -77,7 +77,7 @@ def test_corrupted_chunk_files_are_misses_and_tokens_stay_exact(tiny_model_dir, 
     msgs = conversation()
     history, outs = [], []
     for i, msg in enumerate(msgs):
-        llm.engine.connector.engine.flush()  # NVMe-only: writes are in the background; let them land
+        llm.engine.connector.kv.flush()  # NVMe-only: writes are in the background; let them land
         if i == 2:  # flip a byte in the payload of every chunk written so far
             for f in tmp_path.rglob("*.kvc"):
                 data = bytearray(f.read_bytes())

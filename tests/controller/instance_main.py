@@ -35,7 +35,7 @@ class Instance:
     def __init__(self, model: str, kv_config: dict[str, Any]) -> None:
         self.llm = LLM(model, num_gpu_blocks=256, enable_prefix_caching=False, kv_config=kv_config)
         self.connector = self.llm.engine.connector
-        self.kv = self.connector.engine
+        self.kv = self.connector.kv
         self.ops: dict[str, Callable[[Request], Any]] = {
             "generate": self.generate, "holds": self.holds, "stats": lambda r: self.kv.stats(),
             "agent": self.agent,

@@ -53,7 +53,7 @@ def fleet():
 
 def test_a_tier_call_that_raises_is_failed_precondition_with_its_error(fleet, monkeypatch):
     srv, admin, engines = fleet
-    monkeypatch.setattr(engines["a"].tiers, "pin", disk_on_fire)
+    monkeypatch.setattr(engines["a"], "pin", disk_on_fire)
     e = refusal(lambda: admin.pin("a", TOKENS, tier="cpu"))
     assert e.code == "FAILED_PRECONDITION"
     assert e.message == "instance 'a': RuntimeError: disk on fire"
@@ -65,7 +65,7 @@ def test_a_tier_call_that_raises_is_failed_precondition_with_its_error(fleet, mo
 def test_a_stalled_tier_call_is_deadline_exceeded_and_its_late_reply_is_dropped(fleet, monkeypatch):
     srv, admin, engines = fleet
     release = threading.Event()
-    monkeypatch.setattr(engines["a"].tiers, "unpin", lambda *args: int(release.wait(30)))
+    monkeypatch.setattr(engines["a"], "unpin", lambda *args: int(release.wait(30)))
     start = time.monotonic()
     e = refusal(lambda: admin.unpin("a", TOKENS))
     assert e.code == "DEADLINE_EXCEEDED" and e.message == f"instance 'a' did not answer within {TIMEOUT_S:.1f} s"
@@ -77,7 +77,7 @@ def test_a_stalled_tier_call_is_deadline_exceeded_and_its_late_reply_is_dropped(
 
 def test_a_failure_on_one_of_every_instance_is_its_result(fleet, monkeypatch, capsys):
     srv, admin, engines = fleet
-    monkeypatch.setattr(engines["a"].tiers, "remove", disk_on_fire)
+    monkeypatch.setattr(engines["a"], "remove", disk_on_fire)
     results = {r.instance_id: r for r in admin.evict(token_ids=TOKENS).results}
     assert not results["a"].ok and results["a"].chunks == 0
     assert results["a"].error == "FAILED_PRECONDITION: instance 'a': RuntimeError: disk on fire"
@@ -97,7 +97,7 @@ def test_a_failure_on_one_of_every_instance_is_its_result(fleet, monkeypatch, ca
     assert out.err.count("\n") == 1 and out.err.startswith("kvlayer admin: failed on 1 of 2 instances: a: ")
 
     release = threading.Event()
-    monkeypatch.setattr(engines["a"].tiers, "remove", lambda *args: int(release.wait(30)))
+    monkeypatch.setattr(engines["a"], "evict_all", lambda *args: int(release.wait(30)))
     try:
         results = {r.instance_id: r for r in admin.evict(all=True).results}
     finally:

@@ -112,14 +112,3 @@ def test_metrics_port_serves_prometheus_text(tmp_path):
     with pytest.raises(ConfigError, match="metrics_port"):
         KVCacheEngine({"metrics_port": 70000}, LAYOUT)
 
-
-def test_stage_many_skips_each_list_held_prefix(engine):
-    a, b = list(range(24)), list(range(500, 516))
-    engine.store(a[:16], caches(), slots_for(16, 11))  # the first 2 of a's 3 chunks are held
-    staged = engine.stage_many([engine.keys(a), engine.keys(b), []])
-    assert [[k.start for k in keys] for keys, _ in staged] == [[16], [0, 8], []]
-    for _, objs in staged:
-        for obj in objs:
-            obj.release()
-    assert engine.staging.used_count == 0
-    assert engine.tiers.lookup_many([engine.keys(a), []], record=False)[0].num_tokens == 16

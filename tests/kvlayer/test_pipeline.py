@@ -15,7 +15,7 @@ from tests.kvlayer.test_cache_engine import LAYOUT, caches, kv_at, slots_for
 
 
 @pytest.fixture
-def engine():
+def kv():
     with KVCacheEngine({"chunk_size": 8, "cpu_capacity": "1MiB"}, LAYOUT, model_name="m",
                        model_fingerprint="f") as eng:
         yield eng
@@ -27,9 +27,9 @@ def executor():
         yield ex
 
 
-def save(engine: KVCacheEngine, tokens: list[int], src: list[torch.Tensor], slots: torch.Tensor,
+def save(kv: KVCacheEngine, tokens: list[int], src: list[torch.Tensor], slots: torch.Tensor,
          rid: str = "r", failed: dict[str, int] | None = None) -> int:
-    job = SaveJob(engine, [SaveItem(rid, tuple(engine.keys(tokens)), slots)])
+    job = SaveJob(kv.tiers, kv.chunk_staging, [SaveItem(rid, tuple(kv.keys(tokens)), slots)])
     staged = len(job)
     for layer, cache in reversed(list(enumerate(src))):  # any order
         job.layer(layer, cache)
@@ -37,14 +37,23 @@ def save(engine: KVCacheEngine, tokens: list[int], src: list[torch.Tensor], slot
     return staged
 
 
-def test_save_then_load_layer_by_layer(engine, executor):
+def item(kv: KVCacheEngine, rid: str, keys: list, slots: torch.Tensor, start: int, end: int) -> LoadItem:
+    """A load of tokens ``[start, end)``, its sources from a lookup now (as the scheduler's)."""
+    return LoadItem(rid, tuple(keys), kv.find(keys).sources, slots, start, end)
+
+
+def load(kv: KVCacheEngine, dst: list[torch.Tensor], items: list[LoadItem], executor=None) -> LoadJob:
+    return LoadJob(kv.tiers, kv.chunk_staging, kv.groups, dst, items, executor)
+
+
+def test_save_then_load_layer_by_layer(kv, executor):
     tokens = list(range(40))  # 5 chunks of 8
     src, src_slots = caches(), slots_for(40, 1)
-    assert save(engine, tokens, src, src_slots) == 5
-    assert engine.lookup(tokens) == 40
-    assert save(engine, tokens, src, src_slots) == 0, "held chunks are not staged again"
+    assert save(kv, tokens, src, src_slots) == 5
+    assert kv.lookup(tokens) == 40
+    assert save(kv, tokens, src, src_slots) == 0, "held chunks are not staged again"
     dst, dst_slots = caches(fill=False), slots_for(40, 2)
-    job = LoadJob(engine, dst, [LoadItem("r", tuple(engine.keys(tokens)), dst_slots, 4, 37)], executor)
+    job = load(kv, dst, [item(kv, "r", kv.keys(tokens), dst_slots, 4, 37)], executor)
     for layer in range(LAYOUT.num_layers):
         job.wait_layer(layer)
     assert job.failures() == {}
@@ -52,10 +61,10 @@ def test_save_then_load_layer_by_layer(engine, executor):
     assert not kv_at(dst, dst_slots[:4]).any() and not kv_at(dst, dst_slots[37:]).any()
 
 
-def test_layer_zero_is_ready_while_later_layers_are_still_copied(engine, executor, monkeypatch):
+def test_layer_zero_is_ready_while_later_layers_are_still_copied(kv, executor, monkeypatch):
     tokens = list(range(16))
     src, slots = caches(), slots_for(16, 3)
-    save(engine, tokens, src, slots)
+    save(kv, tokens, src, slots)
     dst = caches(fill=False)
     gate = threading.Event()
     real = pipeline.scatter_layer
@@ -66,7 +75,7 @@ def test_layer_zero_is_ready_while_later_layers_are_still_copied(engine, executo
         real(chunk, cache, s)
 
     monkeypatch.setattr(pipeline, "scatter_layer", slow_last_layer)
-    job = LoadJob(engine, dst, [LoadItem("r", tuple(engine.keys(tokens)), slots, 0, 16)], executor)
+    job = load(kv, dst, [item(kv, "r", kv.keys(tokens), slots, 0, 16)], executor)
     job.wait_layer(0)  # returns although the last layer is held back
     assert torch.equal(kv_at(dst[:1], slots), kv_at(src[:1], slots))
     assert not dst[-1].any()
@@ -77,15 +86,15 @@ def test_layer_zero_is_ready_while_later_layers_are_still_copied(engine, executo
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
-def test_a_missing_chunk_is_a_failure_with_the_valid_prefix(engine, executor, layerwise):
+def test_a_missing_chunk_is_a_failure_with_the_valid_prefix(kv, executor, layerwise):
     tokens = list(range(32))
     src, slots = caches(), slots_for(32, 4)
-    save(engine, tokens, src, slots)
-    keys = engine.keys(tokens)
-    assert engine.tiers.remove([keys[2]]) == 1  # chunk 2 of 4 is gone
+    save(kv, tokens, src, slots)
+    keys = kv.keys(tokens)
+    items = [item(kv, "a", keys, slots, 0, 32), item(kv, "b", keys[:2], slots, 8, 16)]
+    assert kv.remove([keys[2]]) == 1  # chunk 2 of 4 is gone after the lookup
     dst = caches(fill=False)
-    items = [LoadItem("a", tuple(keys), slots, 0, 32), LoadItem("b", tuple(keys[:2]), slots, 8, 16)]
-    job = LoadJob(engine, dst, items, executor if layerwise else None)
+    job = load(kv, dst, items, executor if layerwise else None)
     for layer in range(LAYOUT.num_layers):
         job.wait_layer(layer)
     assert job.failures() == {"a": 16}, "b wanted only what is held"
@@ -93,35 +102,53 @@ def test_a_missing_chunk_is_a_failure_with_the_valid_prefix(engine, executor, la
     assert not kv_at(dst, slots[16:]).any(), "nothing after the missing chunk is written"
 
 
-def test_a_failing_fetch_fails_every_load_and_releases_the_waiters(engine, executor, monkeypatch):
-    def boom(requests):
+def test_a_failing_read_fails_every_load_and_releases_the_waiters(kv, executor, monkeypatch):
+    def boom(*args):
         raise RuntimeError("injected")
 
     tokens = list(range(16))
-    assert save(engine, tokens, caches(), slots_for(16, 4)) == 2  # held: only the failure stops the load
-    monkeypatch.setattr(engine, "fetch_layers", boom)
+    assert save(kv, tokens, caches(), slots_for(16, 4)) == 2  # held: only the failure stops the load
+    monkeypatch.setattr(pipeline.ChunkReads, "open", boom)
     dst, slots = caches(fill=False), slots_for(16, 5)
-    job = LoadJob(engine, dst, [LoadItem("r", tuple(engine.keys(tokens)), slots, 8, 16)], executor)
+    job = load(kv, dst, [item(kv, "r", kv.keys(tokens), slots, 8, 16)], executor)
     for layer in range(LAYOUT.num_layers):
         job.wait_layer(layer)
     assert job.failures() == {"r": 8}
     assert not any(c.any() for c in dst)
 
 
-def test_finish_drops_the_chunks_a_failed_load_left_unwritten(engine):
+def test_finish_drops_the_chunks_a_failed_load_left_unwritten(kv):
     tokens = list(range(32))
     src, slots = caches(), slots_for(32, 6)
-    assert save(engine, tokens, src, slots, rid="r", failed={"r": 16}) == 4
-    assert engine.lookup(tokens) == 16, "chunks after the failed load's valid tokens are not stored"
-    assert engine.staging.used_count == 0
-    assert save(engine, tokens, src, slots) == 2
+    assert save(kv, tokens, src, slots, rid="r", failed={"r": 16}) == 4
+    assert kv.lookup(tokens) == 16, "chunks after the failed load's valid tokens are not stored"
+    assert kv.staging.used_count == 0
+    assert save(kv, tokens, src, slots) == 2
 
 
-def test_staging_is_returned_after_every_job(engine, executor):
+def test_staging_is_returned_after_every_job(kv, executor):
     tokens = list(range(24))
     src, slots = caches(), slots_for(24, 7)
-    save(engine, tokens, src, slots)
-    job = LoadJob(engine, caches(fill=False), [LoadItem("r", tuple(engine.keys(tokens)), slots, 0, 24)], executor)
+    save(kv, tokens, src, slots)
+    job = load(kv, caches(fill=False), [item(kv, "r", kv.keys(tokens), slots, 0, 24)], executor)
     assert job.failures() == {}
-    engine.flush()
-    assert engine.staging.used_count == 0
+    kv.flush()
+    assert kv.staging.used_count == 0
+
+
+def test_a_save_stages_only_what_the_tiers_lack_for_each_request(kv):
+    a, b = list(range(24)), list(range(500, 516))
+    kv.store(a[:16], caches(), slots_for(16, 11))  # the first 2 of a's 3 chunks are held
+    src, slots = caches(), slots_for(24, 12)
+    job = SaveJob(kv.tiers, kv.chunk_staging, [SaveItem("a", tuple(kv.keys(a)), slots),
+                                               SaveItem("b", tuple(kv.keys(b)), slots[:16])])
+    assert len(job) == 1 + 2
+    assert kv.staging.used_count == 3
+    for layer, cache in enumerate(src):
+        job.layer(layer, cache)
+    job.finish()
+    assert kv.staging.used_count == 0
+    assert (kv.lookup(a), kv.lookup(b)) == (24, 16)
+    out = caches(fill=False)
+    assert kv.retrieve(b, out, slots_for(16, 13)) == 16
+    assert torch.equal(kv_at(out, slots_for(16, 13)), kv_at(src, slots[:16]))

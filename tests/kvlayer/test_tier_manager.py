@@ -1,6 +1,6 @@
 """Tests of kvlayer/tier_manager.py over real gpu/cpu tiers (on the CPU) and a fake lower tier.
 
-Covers: cross-tier prefix lookup, retrieval (``stream_many``) with promotion, background write-through,
+Covers: cross-tier prefix lookup, retrieval (``kvlayer.read_plan``) with promotion, background write-through,
 failing and hanging tiers (misses and counters, no exception, bounded blocking), the
 unhealthy/backoff/recovery cycle, pin/unpin/remove, and that every reference is released.
 """
@@ -13,13 +13,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvlayer import tier_admin
 from kvlayer.backends.cpu import CpuBackend
 from kvlayer.backends.gpu import GpuBackend
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import Arena, MemoryObj
 from kvlayer.metrics import Metrics
+from kvlayer.read_plan import ChunkReads, ReadPlan
 from kvlayer.registry import build_backends
+from kvlayer.staging import Staging
 from kvlayer.storage import StorageBackend
 from kvlayer.tier_manager import LookupResult, TierManager
 from tests.fakes import CHUNK, CHUNK_BYTES, LAYOUT, FakeBackend, chunk_data, context, make_chunks, make_keys, staging
@@ -66,12 +69,13 @@ class Setup:
 
 
 def retrieve(s: Setup, keys: list[ChunkKey]) -> list[MemoryObj]:
-    """The verified prefix of ``keys`` through ``stream_many`` (one reference each, the caller's)."""
-    stream = s.mgr.stream_many([keys], [(0, LAYOUT.num_layers)],
-                               lambda k: s.staging.allocate(LAYOUT.chunk_shape(k.num_tokens), LAYOUT.dtype))
-    n = stream.finish()[0]
-    objs = [o.ref() for o in stream.objs[0][:n]]
-    stream.release()
+    """The verified prefix of ``keys``, looked up then read (one reference each, the caller's)."""
+    found = s.mgr.lookup(keys, record=False)
+    plan = ReadPlan(tuple(keys[: found.num_chunks]), found.sources)
+    reads = ChunkReads.open(s.mgr, [plan], Staging(s.staging, LAYOUT, s.metrics), [(0, LAYOUT.num_layers)])
+    n = reads.finish()[0]
+    objs = [o.ref() for o in reads.objs[0][:n]]
+    reads.release()
     return objs
 
 
@@ -113,7 +117,7 @@ def test_lookup_finds_a_prefix_spread_over_tiers(make) -> None:
     s.place("fake", [keys[1]])
     s.place("cpu", [keys[2]])
     res = s.mgr.lookup(keys)
-    assert res == LookupResult(3, 3 * CHUNK, {"gpu": 1, "cpu": 1, "fake": 1})
+    assert res == LookupResult(3, 3 * CHUNK, {"gpu": 1, "cpu": 1, "fake": 1}, (0, 2, 1))  # gpu, fake, cpu
     assert s.mgr.lookup([]) == LookupResult(0, 0, {})
     for tier in ("gpu", "cpu", "fake"):
         assert s.counter(tier, "lookups") == 1
@@ -324,12 +328,12 @@ def test_pin_unpin_remove(make) -> None:
     keys = make_keys(2)
     s.place("gpu", keys)
     s.place("fake", keys)
-    assert s.mgr.pin(keys, tier="gpu") == 2
-    assert s.mgr.remove(keys) == 2  # the fake's two; the gpu's are pinned
+    assert tier_admin.pin(s.mgr, keys, tier="gpu") == 2
+    assert tier_admin.remove(s.mgr, keys) == 2  # the fake's two; the gpu's are pinned
     assert s.holds("gpu", keys) == [True, True] and s.holds("fake", keys) == [False, False]
-    assert s.mgr.unpin(keys) == 2 and s.mgr.remove(keys, tier="gpu") == 2
+    assert tier_admin.unpin(s.mgr, keys) == 2 and tier_admin.remove(s.mgr, keys, tier="gpu") == 2
     with pytest.raises(ValueError, match="unknown tier"):
-        s.mgr.pin(keys, tier="tape")
+        tier_admin.pin(s.mgr, keys, tier="tape")
 
 
 def test_backend_counters_reach_the_metrics(make) -> None:
