@@ -1,4 +1,4 @@
-"""The connector interface between an inference engine and a KV store (ARCHITECTURE.md section 2).
+"""The connector interface between an inference engine and a KV store (docs/architecture.md section 2).
 
 Shaped like vLLM's ``KVConnectorBase_V1``. One object plays both roles in the bundled engine:
 

@@ -1,6 +1,6 @@
 """Tier health: when to stop calling a failing tier, and when to try it again.
 
-``TierHealth`` is a small state machine (ARCHITECTURE.md section 5, failures):
+``TierHealth`` is a small state machine (docs/architecture.md section 5, failures):
 
 - healthy: every call goes through; ``unhealthy_after`` consecutive failures make it unhealthy.
 - unhealthy: calls are skipped until the backoff expires (by default 1 s, doubling up to 30 s;

@@ -1,6 +1,6 @@
 """``IOLoop``: kvlayer's one background asyncio event loop, in its own daemon thread.
 
-The backends' I/O runs here (ARCHITECTURE.md section 6); the engine thread hands it
+The backends' I/O runs here (docs/architecture.md section 6); the engine thread hands it
 coroutines with ``run`` (wait for the result, with a deadline) or ``submit`` (background
 work). Neither may be called from the loop thread itself: waiting there would deadlock.
 

@@ -1,7 +1,7 @@
 """Chunk keys: chained cryptographic hashes of token chunks under a namespace.
 
 ``chunk_hash[i] = blake2b(chunk_hash[i-1] || tokens[i*C:(i+1)*C] as little-endian int32)``
-with ``chunk_hash[-1] = blake2b(namespace)`` (ARCHITECTURE.md section 3). Keys are identical
+with ``chunk_hash[-1] = blake2b(namespace)`` (docs/architecture.md section 3). Keys are identical
 across processes, restarts and machines: nothing here depends on Python's ``hash``.
 """
 

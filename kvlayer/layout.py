@@ -3,7 +3,7 @@
 A paged cache (the engine's) holds, per layer, a tensor ``[2, num_blocks, block_size,
 num_kv_heads, head_dim]`` (index 0 = keys, 1 = values); a slot is ``block * block_size +
 offset``. kvlayer stores chunks ``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``
-(ARCHITECTURE.md section 4): per-layer slices are contiguous.
+(docs/architecture.md section 4): per-layer slices are contiguous.
 """
 
 from __future__ import annotations

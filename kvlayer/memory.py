@@ -3,7 +3,7 @@
 An ``Arena`` is one allocation made once (pinned host memory where CUDA exists, plain host
 memory otherwise, or device memory), carved into equal slots of one chunk each: a slab
 allocator, so churn never fragments it. A ``MemoryObj`` owns one slot and carries an
-explicit reference count and pin count (ARCHITECTURE.md section 4).
+explicit reference count and pin count (docs/architecture.md section 4).
 
 Ownership: ``Arena.allocate`` returns an object with ``ref_count == 1`` owned by the caller.
 Whoever holds a reference calls ``release()`` exactly once for it (or uses the object as a

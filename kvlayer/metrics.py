@@ -1,4 +1,4 @@
-"""Per-tier counters and latency histograms (ARCHITECTURE.md section 9).
+"""Per-tier counters and latency histograms (docs/architecture.md section 9).
 
 ``Metrics`` holds one ``TierMetrics`` per tier: plain, thread-safe counters (``COUNTERS``)
 and histograms (``HISTOGRAMS``, seconds). ``snapshot()`` returns them as plain data; the

@@ -1,6 +1,6 @@
 """Finds and builds the storage tiers: entry points of the ``kvlayer.backends`` group.
 
-The core never imports a backend by name (ARCHITECTURE.md section 1): ``build_backends``
+The core never imports a backend by name (docs/architecture.md section 1): ``build_backends``
 loads each entry point, calls ``cls.create(ctx)`` and keeps the tiers the configuration
 enables, top tier first. Built-in tiers that the configuration plainly disables (no
 ``redis_url``, no ``nvme_path``, capacity 0) are not even imported, so a process without

@@ -1,4 +1,4 @@
-"""The storage interface every tier implements (ARCHITECTURE.md section 5).
+"""The storage interface every tier implements (docs/architecture.md section 5).
 
 All methods are coroutines run on kvlayer's background I/O loop; batched forms are the
 primitive. Keys are ``ChunkKey`` objects; a backend indexes by ``key.digest`` and stores

@@ -1,4 +1,4 @@
-"""Imports go one way (ARCHITECTURE.md section 1); importing kvlayer stays light."""
+"""Imports go one way (docs/architecture.md section 1); importing kvlayer stays light."""
 
 from __future__ import annotations
 
