@@ -27,7 +27,7 @@ from kvlayer.layout import KVLayout
 T = TypeVar("T")
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, block_size=4)
 CHUNK = 4
-"""Tokens per chunk of the in-process engines (a chunk of ``LAYOUT`` is 512 bytes)."""
+"""Tokens per chunk of the in-process instances' KVCacheEngines (a chunk of ``LAYOUT`` is 512 bytes)."""
 MODEL = "tiny-test-model"
 
 
@@ -92,7 +92,7 @@ class ServerThread:
         self.stop()
 
 
-def make_engine(instance_id: str, cpu_chunks: int = 64, model_name: str = MODEL, **config: Any) -> KVCacheEngine:
+def make_kv(instance_id: str, cpu_chunks: int = 64, model_name: str = MODEL, **config: Any) -> KVCacheEngine:
     """A model-less ``KVCacheEngine`` of ``model_name`` (CPU tier of ``cpu_chunks`` chunks; ``config``
     adds or overrides kvlayer settings)."""
     cfg = {"chunk_size": CHUNK, "cpu_capacity": cpu_chunks * LAYOUT.chunk_bytes(CHUNK),
@@ -100,18 +100,18 @@ def make_engine(instance_id: str, cpu_chunks: int = 64, model_name: str = MODEL,
     return KVCacheEngine(cfg, LAYOUT, model_name=model_name, model_fingerprint="fp-0")
 
 
-def store_tokens(engine: KVCacheEngine, token_ids: list[int]) -> None:
+def store_tokens(kv: KVCacheEngine, token_ids: list[int]) -> None:
     """Store ``token_ids``' chunks with deterministic KV (one paged cache block per token)."""
     n = len(token_ids)
     caches = [torch.randn(2, n, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim, generator=torch.Generator().manual_seed(i))
               for i in range(LAYOUT.num_layers)]
-    engine.store(token_ids, caches, torch.arange(n))
-    engine.flush()
+    kv.store(token_ids, caches, torch.arange(n))
+    kv.flush()
 
 
-def connect(engine: KVCacheEngine, address: str, token: str | None = None) -> ControllerAgent:
+def connect(kv: KVCacheEngine, address: str, token: str | None = None) -> ControllerAgent:
     """A started agent linking ``engine`` to the controller at ``address`` (fast backoff for tests)."""
-    agent = ControllerAgent(engine, address, token, backoff_s=(0.05, 0.5))
+    agent = ControllerAgent(kv, address, token, backoff_s=(0.05, 0.5))
     agent.start()
     return agent
 

@@ -1,5 +1,5 @@
 """An in-process engine's agent and a controller in a thread: the registry follows the engine,
-commands act on it, and either side may go away without hurting the engine."""
+commands act on it, and either side may go away without hurting the instance."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.controller.harness import (
     MODEL,
     ServerThread,
     connect,
-    make_engine,
+    make_kv,
     raw_instance,
     store_tokens,
     wait_until,
@@ -49,17 +49,17 @@ def admin(server):
 
 
 def test_snapshot_and_events_keep_lookup_equal_to_the_engine(server, admin, tmp_path):
-    engine = make_engine("a", nvme_path=str(tmp_path))
+    kv = make_kv("a", nvme_path=str(tmp_path))
     before, after = prompt(1), prompt(2)
-    store_tokens(engine, before)  # in the snapshot
-    agent = connect(engine, server.address)
+    store_tokens(kv, before)  # in the snapshot
+    agent = connect(kv, server.address)
     try:
         wait_until(lambda: agent.connected, what="registration")
-        assert cached(admin, before, "a") == engine.lookup(before) == 16
+        assert cached(admin, before, "a") == kv.lookup(before) == 16
         assert cached(admin, before, "a", "nvme") == 16
-        store_tokens(engine, after)  # admission events
+        store_tokens(kv, after)  # admission events
         wait_until(lambda: cached(admin, after, "a") == 16, what="admission events")
-        assert cached(admin, prompt(3), "a") == engine.lookup(prompt(3)) == 0
+        assert cached(admin, prompt(3), "a") == kv.lookup(prompt(3)) == 0
         info = admin.list_instances().instances
         assert [(i.instance_id, i.state) for i in info] == [("a", pb.INSTANCE_STATE_UP)]
         assert [t.name for t in info[0].tiers] == ["cpu", "nvme"]
@@ -68,20 +68,20 @@ def test_snapshot_and_events_keep_lookup_equal_to_the_engine(server, admin, tmp_
         assert all(t.healthy for t in stats)
     finally:
         agent.close()
-        engine.close()
+        kv.close()
 
 
 def test_pin_evict_and_move_act_on_the_engine_and_the_registry_at_once(server, admin, tmp_path):
-    engine = make_engine("a", cpu_chunks=8, nvme_path=str(tmp_path))
-    agent = connect(engine, server.address)
+    kv = make_kv("a", cpu_chunks=8, nvme_path=str(tmp_path))
+    agent = connect(kv, server.address)
     kept, other = prompt(10), prompt(11)
     try:
         wait_until(lambda: agent.connected, what="registration")
-        store_tokens(engine, kept)
-        store_tokens(engine, other)
+        store_tokens(kv, kept)
+        store_tokens(kv, other)
         assert admin.pin("a", kept, tier="cpu").results[0].chunks == 4
         for seed in range(20, 30):  # 40 chunks through a CPU tier of 8
-            store_tokens(engine, prompt(seed))
+            store_tokens(kv, prompt(seed))
         wait_until(lambda: cached(admin, other, "a", "cpu") == 0, what="eviction events")
         assert cached(admin, kept, "a", "cpu") == 16, "a pinned prefix is never evicted"
         assert admin.evict("a", kept, tier="cpu").results[0].chunks == 0, "pinned chunks stay"
@@ -93,21 +93,21 @@ def test_pin_evict_and_move_act_on_the_engine_and_the_registry_at_once(server, a
         assert (cached(admin, kept, "a", "cpu"), cached(admin, kept, "a", "nvme")) == (0, 16)
         admin.move("a", kept, src_tier="nvme", dst_tier="cpu")
         assert (cached(admin, kept, "a", "cpu"), cached(admin, kept, "a", "nvme")) == (16, 0)
-        assert engine.lookup(kept) == 16
+        assert kv.lookup(kept) == 16
 
         assert admin.evict("a", kept).results[0].chunks == 4
-        assert cached(admin, kept, "a") == engine.lookup(kept) == 0
+        assert cached(admin, kept, "a") == kv.lookup(kept) == 0
         result = admin.evict(all=True).results
         assert [r.instance_id for r in result] == ["a"] and result[0].ok
         assert admin.list_instances().instances[0].chunks == 0
-        assert engine.snapshot() == {"cpu": [], "nvme": []}
+        assert kv.snapshot() == {"cpu": [], "nvme": []}
     finally:
         agent.close()
-        engine.close()
+        kv.close()
 
 
 def test_lookup_ranks_instances_and_best_instance_routes(server, admin):
-    a, b = make_engine("a"), make_engine("b")
+    a, b = make_kv("a"), make_kv("b")
     short, long_ = prompt(40, 9), prompt(40, 17)  # short is a prefix of long
     store_tokens(a, short)
     store_tokens(b, long_)
@@ -134,17 +134,17 @@ def test_lookup_ranks_instances_and_best_instance_routes(server, admin):
 
 
 def test_controller_restart_rebuilds_the_registry_from_snapshots(admin, server):
-    engine = make_engine("a")
+    kv = make_kv("a")
     tokens = prompt(50)
-    store_tokens(engine, tokens)
-    agent = connect(engine, server.address)
+    store_tokens(kv, tokens)
+    agent = connect(kv, server.address)
     port = server.port
     try:
         wait_until(lambda: agent.connected, what="registration")
         server.stop()
         wait_until(lambda: not agent.connected, what="the agent to notice")
-        store_tokens(engine, prompt(51))  # the engine goes on while the controller is away
-        assert engine.lookup(prompt(51)) == 16
+        store_tokens(kv, prompt(51))  # the engine goes on while the controller is away
+        assert kv.lookup(prompt(51)) == 16
         with ServerThread(listen=f"127.0.0.1:{port}") as again, AdminClient(again.address) as admin2:
             wait_until(lambda: agent.registrations == 2 and agent.connected, what="re-registration")
             wait_until(lambda: admin2.list_instances().instances[0].state == pb.INSTANCE_STATE_UP, what="up")
@@ -152,22 +152,22 @@ def test_controller_restart_rebuilds_the_registry_from_snapshots(admin, server):
             assert cached(admin2, prompt(51), "a") == 16
     finally:
         agent.close()
-        engine.close()
+        kv.close()
 
 
 def test_engine_serves_without_a_controller():
-    engine = make_engine("lonely", controller_url="127.0.0.1:1")
+    kv = make_kv("lonely", controller_url="127.0.0.1:1")
     from kvlayer.controller.agent import start_agent
 
-    agent = start_agent(engine, engine.config)
+    agent = start_agent(kv, kv.config)
     try:
-        store_tokens(engine, prompt(60))
-        assert engine.lookup(prompt(60)) == 16
+        store_tokens(kv, prompt(60))
+        assert kv.lookup(prompt(60)) == 16
         assert not agent.connected
     finally:
         agent.close()
-        engine.close()
-    assert start_agent(make_engine("none"), make_engine("none").config) is None
+        kv.close()
+    assert start_agent(make_kv("none"), make_kv("none").config) is None
 
 
 def test_an_instance_that_stops_heartbeating_is_marked_down():
@@ -196,12 +196,12 @@ def test_an_instance_that_stops_heartbeating_is_marked_down():
 def test_text_prefixes_use_the_models_tokenizer(tiny_model_dir):
     from kvlayer.engine.tokenizer import Tokenizer
 
-    text = "The controller tokenizes text exactly as the engine does."
+    text = "The controller tokenizes text exactly as the instance does."
     tokens = Tokenizer.from_dir(tiny_model_dir).encode(text)
-    engine = make_engine("a")
-    store_tokens(engine, tokens)
+    kv = make_kv("a")
+    store_tokens(kv, tokens)
     with ServerThread(tokenizers=((MODEL, tiny_model_dir),)) as srv, AdminClient(srv.address) as admin:
-        agent = connect(engine, srv.address)
+        agent = connect(kv, srv.address)
         try:
             wait_until(lambda: agent.connected, what="registration")
             answer = admin.lookup(text=text, model=MODEL)
@@ -212,15 +212,15 @@ def test_text_prefixes_use_the_models_tokenizer(tiny_model_dir):
             assert e.value.code == "INVALID_ARGUMENT" and "tokenizer" in e.value.message
         finally:
             agent.close()
-            engine.close()
+            kv.close()
 
 
 def test_a_move_through_redis_drops_only_what_the_destination_got(tmp_path):
     from tests.redis_server import RedisServer
 
     with RedisServer() as redis, ServerThread() as srv, AdminClient(srv.address) as admin:
-        a = make_engine("a", redis_url=redis.url)
-        b = make_engine("b", cpu_chunks=2, redis_url=redis.url)  # room for 2 of the 4 chunks
+        a = make_kv("a", redis_url=redis.url)
+        b = make_kv("b", cpu_chunks=2, redis_url=redis.url)  # room for 2 of the 4 chunks
         agents = [connect(a, srv.address), connect(b, srv.address)]
         tokens = prompt(70, 16)
         try:

@@ -13,7 +13,7 @@ from kvlayer.cli import build_parser, main
 from kvlayer.controller.client import AdminClient
 from kvlayer.controller.settings import DEFAULT_LISTEN
 from tests.controller.fleet import ROOT
-from tests.controller.harness import MODEL, ServerThread, connect, make_engine, store_tokens, wait_until
+from tests.controller.harness import MODEL, ServerThread, connect, make_kv, store_tokens, wait_until
 
 TOKEN = "cli-admin-token"
 TOKENS = list(range(1, 18))
@@ -23,7 +23,7 @@ TOKENS = list(range(1, 18))
 def controller(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cli")
     with ServerThread(admin_token=TOKEN) as srv:
-        engine = make_engine("engine-0", nvme_path=str(folder / "nvme"))
+        engine = make_kv("engine-0", nvme_path=str(folder / "nvme"))
         store_tokens(engine, TOKENS)
         agent = connect(engine, srv.address)
         try:

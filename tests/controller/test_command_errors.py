@@ -14,10 +14,10 @@ import pytest
 from kvlayer.cli import main
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller.client import AdminClient, ControllerError
-from tests.controller.harness import ServerThread, connect, make_engine, raw_instance, store_tokens, wait_until
+from tests.controller.harness import ServerThread, connect, make_kv, raw_instance, store_tokens, wait_until
 
 TOKENS = list(range(1, 17))
-"""Four chunks of the harness engines."""
+"""Four chunks of the harness instances."""
 TIMEOUT_S = 1.0
 """The controller's command timeout here."""
 
@@ -37,23 +37,23 @@ def refusal(call) -> ControllerError:
 def fleet():
     """A controller (1 s command timeout) and instances "a" and "b", each holding ``TOKENS`` on its CPU tier."""
     with ServerThread(command_timeout_s=TIMEOUT_S) as srv, AdminClient(srv.address, timeout=10) as admin:
-        engines = {name: make_engine(name) for name in ("a", "b")}
-        for engine in engines.values():
-            store_tokens(engine, TOKENS)
-        agents = [connect(engine, srv.address) for engine in engines.values()]
+        kvs = {name: make_kv(name) for name in ("a", "b")}
+        for kv in kvs.values():
+            store_tokens(kv, TOKENS)
+        agents = [connect(kv, srv.address) for kv in kvs.values()]
         try:
             wait_until(lambda: all(agent.connected for agent in agents), what="registrations")
-            yield srv, admin, engines
+            yield srv, admin, kvs
         finally:
             for agent in agents:
                 agent.close()
-            for engine in engines.values():
-                engine.close()
+            for kv in kvs.values():
+                kv.close()
 
 
 def test_a_tier_call_that_raises_is_failed_precondition_with_its_error(fleet, monkeypatch):
-    srv, admin, engines = fleet
-    monkeypatch.setattr(engines["a"], "pin", disk_on_fire)
+    srv, admin, kvs = fleet
+    monkeypatch.setattr(kvs["a"], "pin", disk_on_fire)
     e = refusal(lambda: admin.pin("a", TOKENS, tier="cpu"))
     assert e.code == "FAILED_PRECONDITION"
     assert e.message == "instance 'a': RuntimeError: disk on fire"
@@ -63,9 +63,9 @@ def test_a_tier_call_that_raises_is_failed_precondition_with_its_error(fleet, mo
 
 
 def test_a_stalled_tier_call_is_deadline_exceeded_and_its_late_reply_is_dropped(fleet, monkeypatch):
-    srv, admin, engines = fleet
+    srv, admin, kvs = fleet
     release = threading.Event()
-    monkeypatch.setattr(engines["a"], "unpin", lambda *args: int(release.wait(30)))
+    monkeypatch.setattr(kvs["a"], "unpin", lambda *args: int(release.wait(30)))
     start = time.monotonic()
     e = refusal(lambda: admin.unpin("a", TOKENS))
     assert e.code == "DEADLINE_EXCEEDED" and e.message == f"instance 'a' did not answer within {TIMEOUT_S:.1f} s"
@@ -76,13 +76,13 @@ def test_a_stalled_tier_call_is_deadline_exceeded_and_its_late_reply_is_dropped(
 
 
 def test_a_failure_on_one_of_every_instance_is_its_result(fleet, monkeypatch, capsys):
-    srv, admin, engines = fleet
-    monkeypatch.setattr(engines["a"], "remove", disk_on_fire)
+    srv, admin, kvs = fleet
+    monkeypatch.setattr(kvs["a"], "remove", disk_on_fire)
     results = {r.instance_id: r for r in admin.evict(token_ids=TOKENS).results}
     assert not results["a"].ok and results["a"].chunks == 0
     assert results["a"].error == "FAILED_PRECONDITION: instance 'a': RuntimeError: disk on fire"
     assert results["b"].ok and results["b"].chunks == 4 and results["b"].error == ""
-    assert engines["b"].lookup(TOKENS) == 0 and engines["a"].lookup(TOKENS) == 16
+    assert kvs["b"].lookup(TOKENS) == 0 and kvs["a"].lookup(TOKENS) == 16
 
     # The CLI prints the answer, then one line naming the failure, and exits 1.
     args = ["admin", "--controller", srv.address, "evict", "--tokens", ",".join(map(str, TOKENS))]
@@ -97,7 +97,7 @@ def test_a_failure_on_one_of_every_instance_is_its_result(fleet, monkeypatch, ca
     assert out.err.count("\n") == 1 and out.err.startswith("kvlayer admin: failed on 1 of 2 instances: a: ")
 
     release = threading.Event()
-    monkeypatch.setattr(engines["a"], "evict_all", lambda *args: int(release.wait(30)))
+    monkeypatch.setattr(kvs["a"], "evict_all", lambda *args: int(release.wait(30)))
     try:
         results = {r.instance_id: r for r in admin.evict(all=True).results}
     finally:

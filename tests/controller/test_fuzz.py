@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller import controller_pb2_grpc as pb_grpc
 from kvlayer.controller.auth import bearer
-from tests.controller.harness import MODEL, ServerThread, connect, make_engine, store_tokens, wait_until
+from tests.controller.harness import MODEL, ServerThread, connect, make_kv, store_tokens, wait_until
 
 ADMIN = "fuzz-admin-token"
 MAX_TOKENS = 256
@@ -112,10 +112,10 @@ class Fleet:
 
     def __init__(self, tmp: str) -> None:
         self.server = ServerThread(admin_token=ADMIN, max_tokens=MAX_TOKENS, command_timeout_s=5.0).start()
-        self.engines = [make_engine("a", nvme_path=tmp), make_engine("b", model_name="other")]
+        self.kvs = [make_kv("a", nvme_path=tmp), make_kv("b", model_name="other")]
         for t in KNOWN:
-            store_tokens(self.engines[0], t)
-        self.agents = [connect(e, self.server.address) for e in self.engines]
+            store_tokens(self.kvs[0], t)
+        self.agents = [connect(e, self.server.address) for e in self.kvs]
         self.channel = grpc.insecure_channel(self.server.address)
         self.admin = pb_grpc.AdminServiceStub(self.channel)
         self.outcomes: Counter[tuple[str, str]] = Counter()
@@ -125,8 +125,8 @@ class Fleet:
         self.channel.close()
         for agent in self.agents:
             agent.close()
-        for engine in self.engines:
-            engine.close()
+        for kv in self.kvs:
+            kv.close()
         self.server.stop()
 
 
@@ -196,7 +196,7 @@ def test_evict(fleet, request, token):
             assert [r.instance_id for r in answer.results] == [request.instance_id] and answer.results[0].ok
     if answer is not None and answer.results and request.instance_id == "a":
         for t in KNOWN:  # refill what the fuzz evicted, so later commands still find chunks
-            store_tokens(fleet.engines[0], t)
+            store_tokens(fleet.kvs[0], t)
 
 
 @fast(500)

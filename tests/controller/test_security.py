@@ -16,7 +16,7 @@ from kvlayer.controller.auth import authorized, read_token
 from kvlayer.controller.client import AdminClient, ControllerError
 from kvlayer.controller.settings import ControllerSettings
 from tests.controller.fleet import ROOT, ControllerProcess
-from tests.controller.harness import MODEL, ServerThread, connect, make_engine, store_tokens, wait_until
+from tests.controller.harness import MODEL, ServerThread, connect, make_kv, store_tokens, wait_until
 from tests.controller.tls_files import make_certificates
 
 ADMIN, INSTANCE = "admin-secret-1", "instance-secret-2"
@@ -43,8 +43,8 @@ def test_admin_calls_need_the_admin_token():
 def test_instances_need_the_instance_token(caplog):
     with ServerThread(admin_token=ADMIN, instance_token=INSTANCE) as srv, \
             AdminClient(srv.address, token=ADMIN) as admin:
-        engine = make_engine("a")
-        denied = connect(engine, srv.address, token=ADMIN)
+        kv = make_kv("a")
+        denied = connect(kv, srv.address, token=ADMIN)
         try:
             with grpc.insecure_channel(srv.address) as channel:  # no token: refused before anything is read
                 call = pb_grpc.InstanceServiceStub(channel).Connect(iter([pb.InstanceMessage()]))
@@ -58,13 +58,13 @@ def test_instances_need_the_instance_token(caplog):
             assert not denied.connected and list(admin.list_instances().instances) == []
         finally:
             denied.close()
-        agent = connect(engine, srv.address, token=INSTANCE)
+        agent = connect(kv, srv.address, token=INSTANCE)
         try:
             wait_until(lambda: agent.connected, what="registration with the right token")
             assert [i.instance_id for i in admin.list_instances().instances] == ["a"]
         finally:
             agent.close()
-            engine.close()
+            kv.close()
 
 
 def test_token_checks():
@@ -83,9 +83,9 @@ def test_token_checks():
 def test_tls_with_a_certificate_made_here(tmp_path):
     files = make_certificates(tmp_path)
     with ServerThread(tls_cert=str(files.cert), tls_key=str(files.key), admin_token=ADMIN) as srv:
-        engine = make_engine("secure")
-        store_tokens(engine, list(range(1, 9)))
-        agent = connect(engine, f"grpcs://{srv.address}?ca={files.ca_cert}")
+        kv = make_kv("secure")
+        store_tokens(kv, list(range(1, 9)))
+        agent = connect(kv, f"grpcs://{srv.address}?ca={files.ca_cert}")
         try:
             with AdminClient(srv.address, token=ADMIN, tls_ca=str(files.ca_cert)) as admin:
                 wait_until(lambda: agent.connected, what="a TLS registration")
@@ -96,13 +96,13 @@ def test_tls_with_a_certificate_made_here(tmp_path):
                 assert code_of(untrusted.list_instances) == "UNAVAILABLE"
         finally:
             agent.close()
-            engine.close()
+            kv.close()
 
 
 def test_request_sizes_are_bounded():
     with ServerThread(max_tokens=1000, max_message_bytes=1024 * 1024) as srv, AdminClient(srv.address) as admin:
-        engine = make_engine("a")
-        agent = connect(engine, srv.address)
+        kv = make_kv("a")
+        agent = connect(kv, srv.address)
         try:
             wait_until(lambda: agent.connected, what="registration")
             assert code_of(lambda: admin.lookup(list(range(1001)), MODEL)) == "RESOURCE_EXHAUSTED"
@@ -113,7 +113,7 @@ def test_request_sizes_are_bounded():
             assert admin.lookup(list(range(1000)), MODEL).num_tokens == 1000
         finally:
             agent.close()
-            engine.close()
+            kv.close()
 
 
 def test_client_certificates_when_the_controller_asks_for_them(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.controller.fleet import ControllerProcess
-from tests.controller.harness import ServerThread, connect, make_engine, raw_instance, wait_until
+from tests.controller.harness import ServerThread, connect, make_kv, raw_instance, wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 SHUTTING_DOWN = "the controller is shutting down"
@@ -52,8 +52,8 @@ class Watched:
 
 def test_stop_turns_health_not_serving_and_ends_instance_streams(caplog):
     srv = ServerThread().start()
-    engine = make_engine("a")
-    agent = connect(engine, srv.address)
+    kv = make_kv("a")
+    agent = connect(kv, srv.address)
     watched = Watched(srv.address)
     try:
         watched.ready()
@@ -69,7 +69,7 @@ def test_stop_turns_health_not_serving_and_ends_instance_streams(caplog):
     finally:
         watched.close()
         agent.close()
-        engine.close()
+        kv.close()
         srv.stop()
 
 

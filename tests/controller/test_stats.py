@@ -11,7 +11,7 @@ import torch
 from kvlayer.cli import main
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller.client import AdminClient
-from tests.controller.harness import LAYOUT, ServerThread, connect, make_engine, raw_instance, store_tokens, wait_until
+from tests.controller.harness import LAYOUT, ServerThread, connect, make_kv, raw_instance, store_tokens, wait_until
 
 HELD, OTHER, MISSING = list(range(1, 17)), list(range(30, 46)), list(range(100, 117))
 FIELDS = ("used_bytes", "capacity_bytes", "lookups", "lookup_hit_chunks", "hit_tokens")
@@ -24,18 +24,18 @@ def expected_hit_rate(values: dict[str, object]) -> float:
 
 
 def test_stats_over_the_rpc_are_the_engines_own_counters(tmp_path):
-    engine = make_engine("a", cpu_chunks=64, nvme_path=str(tmp_path))
+    kv = make_kv("a", cpu_chunks=64, nvme_path=str(tmp_path))
     with ServerThread() as srv, AdminClient(srv.address) as admin:
-        agent = connect(engine, srv.address)
+        agent = connect(kv, srv.address)
         try:
             wait_until(lambda: agent.connected, what="registration")
-            store_tokens(engine, HELD)
-            store_tokens(engine, OTHER)
-            assert (engine.lookup(HELD), engine.lookup(MISSING), engine.lookup(HELD[:9])) == (16, 0, 8)
+            store_tokens(kv, HELD)
+            store_tokens(kv, OTHER)
+            assert (kv.lookup(HELD), kv.lookup(MISSING), kv.lookup(HELD[:9])) == (16, 0, 8)
             caches = [torch.zeros(2, 16, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim) for _ in range(LAYOUT.num_layers)]
-            assert engine.retrieve(HELD, caches, torch.arange(16)) == 16
-            engine.flush()
-            own = engine.stats()["tiers"]  # the engine is idle now: its counters stay put
+            assert kv.retrieve(HELD, caches, torch.arange(16)) == 16
+            kv.flush()
+            own = kv.stats()["tiers"]  # the engine is idle now: its counters stay put
 
             def reported() -> dict[str, tuple]:
                 tiers = admin.stats("a").instances[0].tiers
@@ -45,7 +45,7 @@ def test_stats_over_the_rpc_are_the_engines_own_counters(tmp_path):
             wait_until(lambda: reported() == truth, what=f"a heartbeat with the engine's counters {truth}")
         finally:
             agent.close()
-            engine.close()
+            kv.close()
     cpu = own["cpu"]
     assert (cpu["lookups"], cpu["lookup_hit_chunks"], cpu["hit_tokens"]) == (3, 6, 16), "the workload counted"
     assert (cpu["used_bytes"], cpu["capacity_bytes"]) == (8 * 512, 64 * 512)

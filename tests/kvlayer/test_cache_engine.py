@@ -29,41 +29,41 @@ def kv_at(cs: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture
-def engine():
+def kv():
     with KVCacheEngine({"chunk_size": 8, "cpu_capacity": "1MiB"}, LAYOUT, model_name="m",
                        model_fingerprint="f") as eng:
         yield eng
 
 
-def test_store_then_retrieve_into_other_slots(engine):
+def test_store_then_retrieve_into_other_slots(kv):
     tokens = list(range(100, 130))  # 3 full chunks of 8 + 6 tokens
     src, src_slots = caches(), slots_for(30, 1)
-    assert engine.lookup(tokens) == 0
-    assert engine.store(tokens, src, src_slots) == 3
-    assert engine.lookup(tokens) == 24
-    assert engine.store(tokens, src, src_slots) == 0  # already held
+    assert kv.lookup(tokens) == 0
+    assert kv.store(tokens, src, src_slots) == 3
+    assert kv.lookup(tokens) == 24
+    assert kv.store(tokens, src, src_slots) == 0  # already held
     dst, dst_slots = caches(fill=False), slots_for(30, 2)
-    assert engine.retrieve(tokens, dst, dst_slots) == 24
+    assert kv.retrieve(tokens, dst, dst_slots) == 24
     assert torch.equal(kv_at(dst, dst_slots[:24]), kv_at(src, src_slots[:24]))
     assert not kv_at(dst, dst_slots[24:]).any()
 
 
-def test_retrieve_from_start_leaves_earlier_slots_alone(engine):
+def test_retrieve_from_start_leaves_earlier_slots_alone(kv):
     tokens = list(range(7, 39))
     src, slots = caches(), slots_for(32, 3)
-    engine.store(tokens, src, slots)
+    kv.store(tokens, src, slots)
     dst = caches(fill=False)
-    assert engine.retrieve(tokens, dst, slots, start=10) == 32
+    assert kv.retrieve(tokens, dst, slots, start=10) == 32
     assert not kv_at(dst, slots[:10]).any()
     assert torch.equal(kv_at(dst, slots[10:]), kv_at(src, slots[10:]))
 
 
-def test_prefix_and_salt(engine):
+def test_prefix_and_salt(kv):
     tokens = list(range(50, 82))
-    engine.store(tokens, caches(), slots_for(32, 4))
-    assert engine.lookup(tokens[:20] + [1] * 12) == 16
-    assert engine.lookup(tokens, cache_salt="other") == 0
-    assert engine.lookup([1] + tokens[1:]) == 0  # the chain: a change early misses everything
+    kv.store(tokens, caches(), slots_for(32, 4))
+    assert kv.lookup(tokens[:20] + [1] * 12) == 16
+    assert kv.lookup(tokens, cache_salt="other") == 0
+    assert kv.lookup([1] + tokens[1:]) == 0  # the chain: a change early misses everything
 
 
 def test_partial_chunks_when_configured():
@@ -77,9 +77,9 @@ def test_partial_chunks_when_configured():
         assert torch.equal(kv_at(dst, slots), kv_at(src, slots))
 
 
-def test_bad_slot_mapping_is_an_error(engine):
+def test_bad_slot_mapping_is_an_error(kv):
     with pytest.raises(ValueError, match="slot_mapping"):
-        engine.store(list(range(16)), caches(), slots_for(8, 6))
+        kv.store(list(range(16)), caches(), slots_for(8, 6))
 
 
 def test_stats_and_close_are_idempotent():
@@ -108,7 +108,7 @@ def test_metrics_port_serves_prometheus_text(tmp_path):
         eng.retrieve(tokens, caches(fill=False), slots_for(16, 10))
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'kvlayer_hit_tokens_total{instance="exp-a",tier="cpu"} 16.0' in text
-    assert 'instance="exp-b"' in text, "two engines share one port"
+    assert 'instance="exp-b"' in text, "two instances share one port"
     with pytest.raises(ConfigError, match="metrics_port"):
         KVCacheEngine({"metrics_port": 70000}, LAYOUT)
 
