@@ -30,7 +30,7 @@ import torch
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
-from kvlayer.storage import BackendContext, StorageBackend
+from kvlayer.storage import BackendContext, StorageBackend, check_batch
 
 AGING = 8
 """Ask counts are halved after this many asks per slot, so old popularity fades."""
@@ -130,7 +130,7 @@ class MemoryTier(StorageBackend):
         return await self._put(keys, chunks, selective=True)
 
     async def _put(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], selective: bool) -> list[bool]:
-        self._check_batch(keys, chunks)
+        check_batch(keys, chunks, self._layout)
         batch = {key.digest for key in keys}
         fresh: list[tuple[ChunkKey, MemoryObj]] = []
         stored = [False] * len(keys)
@@ -258,15 +258,6 @@ class MemoryTier(StorageBackend):
             self._index[key.digest] = _Entry(obj, key.tokens_digest)
             admitted.append(key.digest)
         self._admitted(admitted)
-
-    def _check_batch(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
-        if len(keys) != len(chunks):
-            raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
-        for key, chunk in zip(keys, chunks):
-            want = self._layout.chunk_shape(key.num_tokens)
-            if tuple(chunk.shape) != want or chunk.dtype != self._layout.dtype:
-                raise ValueError(f"chunk {key.hex[:16]} is {tuple(chunk.shape)} {chunk.dtype}, "
-                                 f"expected {want} {self._layout.dtype}")
 
 
 def _copy(dst: MemoryObj, src: MemoryObj) -> bool:

@@ -4,7 +4,8 @@ Enabled by ``nvme_path`` (``nvme_capacity`` bytes of files at most, ``nvme_fsync
 each file, ``compression: lz4`` to compress payloads). A file is the ``kvlayer.serde``
 header then the payload; files are written atomically (``backends/nvme_files.py``) and the
 index (``backends/nvme_index.py``) is rebuilt from their headers on first use, so a new
-process on the same folder serves what an earlier one wrote. One process writes a folder at
+process on the same folder serves what an earlier one wrote. Reads run on worker threads
+that a cancelled caller waits out (``backends/nvme_reads.py``). One process writes a folder at
 a time: start-up deletes stray temporary files, which another live writer may own.
 
 Per-chunk faults never raise out of a call: an unreadable, corrupt, misplaced or missing file is a
@@ -20,16 +21,15 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 from kvlayer import serde
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
-from kvlayer.storage import BackendContext, StorageBackend
+from kvlayer.storage import BackendContext, StorageBackend, check_batch
 
-from . import nvme_files
+from . import nvme_files, nvme_reads
 from .nvme_index import IndexEntry, NvmeIndex
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ class NvmeBackend(StorageBackend):
         self._scanned = False
         self._closed = False
         self._stats: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._logged: set[str] = set()
 
     @classmethod
     def create(cls, ctx: BackendContext) -> NvmeBackend | None:
@@ -102,7 +101,7 @@ class NvmeBackend(StorageBackend):
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
-            await _cancel_and_release(tasks)
+            await nvme_reads.cancel_and_release(tasks)
             raise
 
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
@@ -119,11 +118,7 @@ class NvmeBackend(StorageBackend):
             if e is not None:
                 e.readers += 1
         try:
-            for g, (lo, hi) in enumerate(groups):
-                live = [r for r in reads if r is not None and r.error is None]
-                n = max(1, min(self._concurrency, len(live)))
-                await _on_threads([partial(_read_range, live[i::n], lo, hi) for i in range(n)])
-                on_group(g)
+            await nvme_reads.read_groups(reads, groups, self._concurrency, on_group)
             return [self._finished(k, e, r) for k, e, r in zip(keys, entries, reads)]
         finally:
             for e, r in zip(entries, reads):
@@ -153,10 +148,7 @@ class NvmeBackend(StorageBackend):
 
         ValueError when the lengths differ or a chunk's shape/dtype does not fit its key.
         """
-        if len(keys) != len(chunks):
-            raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
-        for key, chunk in zip(keys, chunks):
-            self._check_chunk(key, chunk)
+        check_batch(keys, chunks, self._layout)
         await self._ready()
         # The writes go on if the caller stops waiting (a deadline): a write cancelled half way
         # would leak what aiofiles had opened. They hold references of their own meanwhile.
@@ -253,7 +245,7 @@ class NvmeBackend(StorageBackend):
             self._fault("staging_full", entry.path, "the staging arena is full")
             return None
         try:
-            n = await _fill(obj, nvme_files.load_chunk, entry.path, key, obj.tensor, entry.size)
+            n = await nvme_reads.fill(obj, nvme_files.load_chunk, entry.path, key, obj.tensor, entry.size)
         except serde.ChunkFormatError as e:
             self._corrupt(entry, e)
             return None
@@ -272,12 +264,6 @@ class NvmeBackend(StorageBackend):
             self._evicted([entry.digest])
 
     # --- writes ---------------------------------------------------------------------------
-    def _check_chunk(self, key: ChunkKey, chunk: MemoryObj) -> None:
-        want = self._layout.chunk_shape(key.num_tokens)
-        if tuple(chunk.shape) != want or chunk.dtype != self._layout.dtype:
-            raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
-                             f"{key.hex[:16]}: expected {want} {self._layout.dtype}")
-
     async def _put_one(self, key: ChunkKey, chunk: MemoryObj) -> None:
         digest = key.digest
         if digest in self._index or digest in self._writing:
@@ -364,52 +350,8 @@ class NvmeBackend(StorageBackend):
             return await fn(*args)
 
     def _fault(self, kind: str, path: str, err: object) -> None:
-        """Count one fault of ``kind``; log the first of each kind as a warning."""
+        """Count one fault of ``kind`` in ``stats()``; ``_log_fault`` logs the first of each kind
+        as a warning, later ones at debug level."""
         self._stats[kind] += 1
-        level = logging.DEBUG if kind in self._logged else logging.WARNING
-        self._logged.add(kind)
-        log.log(level, "nvme: %s at %s: %s (counted; later ones are logged at debug level)",
-                kind, path, err)
-
-
-async def _fill(obj: MemoryObj, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on a worker thread that writes into ``obj``; ``obj`` is released if it fails.
-
-    If the caller is cancelled, ``obj`` is released only once the thread is done, so its slot
-    is never handed out again while the thread still writes into it.
-    """
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        fut.add_done_callback(lambda f: (obj.release(), f.cancelled() or f.exception()))
-        raise
-    except BaseException:
-        obj.release()
-        raise
-
-
-def _read_range(reads: Sequence[nvme_files.RangedRead], lo: int, hi: int) -> None:
-    for r in reads:
-        r.read(lo, hi)
-
-
-async def _on_threads(jobs: Sequence[Callable[[], None]]) -> None:
-    """Run ``jobs`` on worker threads at once; returns (even when cancelled) only once all are done."""
-    loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(None, job) for job in jobs]
-    try:
-        await asyncio.shield(asyncio.gather(*futures))
-    except asyncio.CancelledError:
-        await asyncio.wait(futures)
-        raise
-
-
-async def _cancel_and_release(tasks: Sequence[asyncio.Future[MemoryObj | None]]) -> None:
-    """Stop ``tasks`` and release the chunks those that finished had allocated for nobody."""
-    for t in tasks:
-        t.cancel()
-    for result in await asyncio.gather(*tasks, return_exceptions=True):
-        if isinstance(result, MemoryObj):
-            result.release()
+        self._log_fault(kind, "%s at %s: %s (counted; later ones are logged at debug level)", kind, path, err)
 

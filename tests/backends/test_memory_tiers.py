@@ -253,7 +253,7 @@ def test_bad_chunks_and_settings_raise(run: Run, make_tier, src) -> None:
     tier = make_tier(2)
     keys = make_keys(2)
     wrong = src.allocate((1, 2, 4, 2, 4), torch.float32)
-    with pytest.raises(ValueError, match="expected"):
+    with pytest.raises(ValueError, match="does not fit key"):
         run(tier.put_many(keys[:1], [wrong]))
     with pytest.raises(ValueError, match="1 keys but 2 chunks"):
         run(tier.put_many(keys[:1], [wrong, wrong]))

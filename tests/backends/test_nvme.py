@@ -1,8 +1,9 @@
-"""Tests of the NVMe tier (backends/nvme.py): round trips, file layout, warm restarts, eviction.
+"""Tests of the NVMe tier (backends/nvme.py): round trips, file layout, warm restarts, the index.
 
-Run: ``.venv/bin/python -m pytest tests/backends/test_nvme.py``. Fault injection lives in
-``test_nvme_faults.py``, which reuses the helpers defined here (as do the child processes);
-chunk contents and keys come from ``tests/fakes.py``.
+Run: ``.venv/bin/python -m pytest tests/backends/test_nvme*.py``. Eviction lives in
+``test_nvme_eviction.py``, staging memory and cancellation in ``test_nvme_staging.py``, fault
+injection in ``test_nvme_faults.py``; they reuse the helpers defined here (as do the child
+processes and the layer-group read tests); chunk contents and keys come from ``tests/fakes.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ ROOT = str(Path(__file__).parents[2])
 """The repository root: child processes import ``tests.backends.*`` from it."""
 
 
-# --- helpers (also used by test_nvme_faults.py and the child processes) -------------------
+# --- helpers (also used by the other test_nvme*.py and the child processes) --------------
 def make_ctx(root: Path | str, layout: KVLayout = LAYOUT, chunk: int = CHUNK, staging_slots: int = 64,
              **config: Any) -> BackendContext:
     """A context whose nvme tier lives at ``root``, with a staging arena of ``staging_slots``."""
@@ -215,80 +215,6 @@ def test_warm_restart_in_another_process(tmp_path: Path) -> None:
     assert got == {"prefix": 5, "prints": expected(keys)}
 
 
-def one_file_size() -> int:
-    return serde.HEADER_SIZE + LAYOUT.chunk_bytes(CHUNK)
-
-
-def test_capacity_bound_evicts_least_recently_used(tmp_path: Path) -> None:
-    keys = [chain(1, seed=s)[0] for s in range(6)]  # unrelated chains, all start 0
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path, nvme_capacity=4 * one_file_size())
-        for key in keys[:4]:  # one at a time: a batch's files land in any order
-            await put_keys(backend, [key])
-        await get_fingerprints(backend, keys[:1])  # keys[0] becomes the most recent
-        await put_keys(backend, keys[4:6])
-        held = backend.keys()
-        present = [k.digest in held for k in keys]
-        assert present == [True, False, False, True, True, True]
-        assert backend.usage() == (4 * one_file_size(), 4 * one_file_size())
-        assert backend.stats()["evictions"] == 2
-
-    run(scenario())
-    assert len(list(tmp_path.rglob("*.kvc"))) == 4
-
-
-def test_pinned_chunks_survive_ten_times_the_capacity(tmp_path: Path) -> None:
-    pinned = chain(2, seed=100)
-    workload = [chain(1, seed=s)[0] for s in range(40)]
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path, nvme_capacity=4 * one_file_size())
-        await put_keys(backend, pinned)
-        assert await backend.pin(pinned) == 2
-        for i in range(0, len(workload), 3):
-            await put_keys(backend, workload[i : i + 3])
-            assert backend.usage()[0] <= backend.usage()[1]
-        assert await get_fingerprints(backend, pinned) == expected(pinned)
-        assert await backend.remove(pinned) == 0
-        assert await backend.unpin(pinned) == 2
-        assert await backend.unpin(pinned) == 0
-        await put_keys(backend, [chain(1, seed=999)[0]])
-        assert backend.stats()["rejected"] == 0
-
-    run(scenario())
-
-
-def test_a_chunk_that_cannot_fit_beside_pinned_ones_is_rejected(tmp_path: Path) -> None:
-    keys = chain(3)
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path, nvme_capacity=2 * one_file_size())
-        await put_keys(backend, keys[:2])
-        await backend.pin(keys[:2])
-        await put_keys(backend, keys[2:])
-        assert backend.stats()["rejected"] == 1
-        assert await backend.contains_prefix(keys) == 2
-
-    run(scenario())
-
-
-def test_chain_tails_are_evicted_before_heads(tmp_path: Path) -> None:
-    links = chain(4, seed=1)
-    others = [chain(1, seed=s)[0] for s in (50, 51)]
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path, nvme_capacity=4 * one_file_size())
-        for key in links:  # head first, so that plain LRU would evict the head
-            await put_keys(backend, [key])
-        await put_keys(backend, others[:1])
-        assert await backend.contains_prefix(links) == 3
-        await put_keys(backend, others[1:])
-        assert await backend.contains_prefix(links) == 2
-
-    run(scenario())
-
-
 def test_contains_prefix_reads_only_the_index(tmp_path: Path) -> None:
     keys = chain(5)
 
@@ -308,73 +234,6 @@ def test_contains_prefix_reads_only_the_index(tmp_path: Path) -> None:
     run(scenario())
 
 
-def test_remove_and_the_listener(tmp_path: Path) -> None:
-    keys = chain(3)
-    events: list[tuple[str, str, int]] = []
-
-    class Listener:
-        def on_admit(self, tier: str, digests: list[bytes]) -> None:
-            events.append(("admit", tier, len(digests)))
-
-        def on_evict(self, tier: str, digests: list[bytes]) -> None:
-            events.append(("evict", tier, len(digests)))
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path)
-        backend.set_listener(Listener())
-        await put_keys(backend, keys)
-        await backend.pin(keys[:1])
-        assert await backend.remove(keys) == 2
-        assert await backend.contains_prefix(keys) == 1
-        assert backend.usage()[0] == one_file_size()
-
-    run(scenario())
-    assert events == [("admit", "nvme", 1)] * 3 + [("evict", "nvme", 2)]
-    assert len(list(tmp_path.rglob("*.kvc"))) == 1
-
-
-def test_a_full_staging_arena_turns_reads_into_counted_misses(tmp_path: Path) -> None:
-    keys = chain(6)
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path, staging_slots=4)
-        await put_keys(backend, keys)
-        objs = await backend.get_many(keys)
-        served = [o for o in objs if o is not None]
-        assert len(served) == 4 and backend.stats()["staging_full"] == 2
-        want = dict(zip(expected(keys), keys))
-        assert all(fingerprint(o) in want for o in served)
-        for o in served:
-            o.release()
-        assert backend._staging.used_count == 0
-
-    run(scenario())
-
-
-def test_cancelled_reads_leak_no_staging_memory(tmp_path: Path) -> None:
-    keys = chain(12)
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path)
-        await put_keys(backend, keys)
-        for delay in (0, 0.0005, 0.001, 0.002, 0.005):
-            try:
-                objs = await asyncio.wait_for(backend.get_many(keys), delay)
-            except TimeoutError:
-                continue
-            for o in objs:
-                if o is not None:
-                    o.release()
-        for _ in range(200):  # reads cancelled in flight free their slots when their threads end
-            if backend._staging.used_count == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert backend._staging.used_count == 0
-        assert await get_fingerprints(backend, keys) == expected(keys)
-
-    run(scenario())
-
-
 def test_the_closed_backend_refuses_calls(tmp_path: Path) -> None:
     async def scenario() -> None:
         backend = make_backend(tmp_path)
@@ -384,51 +243,3 @@ def test_the_closed_backend_refuses_calls(tmp_path: Path) -> None:
 
     run(scenario())
     assert os.path.isdir(tmp_path)
-
-
-def test_a_read_cancelled_in_flight_frees_its_slot_only_when_the_thread_is_done(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    keys = chain(2)
-    real_read_into = nvme_files.read_into
-
-    def slow_read_into(path: str, buffers: Any) -> int:
-        time.sleep(0.2)
-        return real_read_into(path, buffers)
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path)
-        await put_keys(backend, keys)
-        monkeypatch.setattr(nvme_files, "read_into", slow_read_into)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(backend.get_many(keys), 0.05)
-        assert backend._staging.used_count == 2, "the threads still write into their slots"
-        await asyncio.sleep(0.4)
-        assert backend._staging.used_count == 0
-        monkeypatch.undo()
-        assert await get_fingerprints(backend, keys) == expected(keys)
-
-    run(scenario())
-
-
-def test_cancelled_puts_finish_in_the_background_and_hold_their_chunks(tmp_path: Path) -> None:
-    keys = chain(12)
-    slot = LAYOUT.chunk_bytes(CHUNK)
-    src = Arena(len(keys) * slot, slot)
-
-    async def scenario() -> None:
-        backend = make_backend(tmp_path)
-        chunks = [make_chunk(src, k, LAYOUT) for k in keys]
-        put = asyncio.ensure_future(backend.put_many(keys, chunks))
-        while not backend._writes:  # until the writes have started
-            await asyncio.sleep(0)
-        put.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await put
-        for c in chunks:
-            c.release()  # the writes still in flight hold references of their own
-        await backend.close()
-        assert src.used_count == 0
-        assert await get_fingerprints(make_backend(tmp_path), keys) == expected(keys)
-
-    run(scenario())
-    assert temp_files(tmp_path) == []

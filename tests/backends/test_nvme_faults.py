@@ -127,7 +127,7 @@ def test_eio_on_read_is_a_miss_logged_once(tmp_path: Path, monkeypatch: pytest.M
         await put_keys(backend, keys)
         monkeypatch.setattr(nvme_files, "read_file", broken_read)
         monkeypatch.setattr(nvme_files, "read_into", broken_read)
-        with caplog.at_level(logging.WARNING, logger="kvlayer.backends.nvme"):
+        with caplog.at_level(logging.WARNING, logger="kvlayer.backends"):
             assert await get_fingerprints(backend, keys) == [None] * 3
         assert backend.stats()["io_errors"] == 3
         assert len(caplog.records) == 1, "one log line per kind of fault, not one per chunk"
