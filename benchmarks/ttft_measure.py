@@ -76,7 +76,7 @@ def open_llm(model: str, device: str, config: BenchConfig, max_len: int) -> Any:
 
 def cache_engine(llm: Any) -> Any:
     """The ``KVCacheEngine`` behind an LLM's kvlayer connector (None without one)."""
-    return getattr(llm.engine.connector, "engine", None)
+    return getattr(llm.engine.connector, "kv", None)
 
 
 def isolate(llm: Any, config: BenchConfig) -> None:
