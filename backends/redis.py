@@ -30,28 +30,28 @@ Throughput: a value is never copied whole on the way out or in. The body is a vi
 chunk's tensor (or its lz4 frame), which ``backends/redis_clients.py`` writes to the socket from
 that memory: Python 3.11's ``StreamWriter.writelines`` would join every piece into one new
 buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB values here, 2-3 GiB/s
-piecewise). ``MGET`` replies are read by ``redis_reads.read_reply``, which checks the header and
-hashes and copies the payload straight from the stream into the staging tensor, skipping
-redis-py's reply parser and its copies; ranged reads receive each body range straight into the
-destination chunk (``redis_buffered``: 0.7 -> 1.05 GiB/s here). Redis Cluster clients take no
-connection class, so in cluster mode bodies are joined once and replies go through redis-py.
+piecewise). Replies are read by the tier's one reply reader (``backends/redis_replies.py``),
+which skips redis-py's reply parser and its copies: the socket receives each body, whole
+(``MGET``, into a staging object) or by layer-group range (``GETRANGE``, into the caller's
+chunk), straight into its destination, hashed as it lands (``backends/redis_reads.py``).
+Redis Cluster clients take no connection class, so in cluster mode bodies are joined once and
+replies go through redis-py, as they do where this Python's ``StreamReader`` lacks the internals
+the reader needs; those values are checked by ``redis_pairs.decode_pair``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvlayer import serde
-from kvlayer.backends.redis_buffered import SUPPORTED as buffered_replies
 from kvlayer.backends.redis_clients import (
     PiecewiseValue,
+    RedisSettings,
     is_failure,
     make_client,
     pipeline,
@@ -59,24 +59,27 @@ from kvlayer.backends.redis_clients import (
     read_or_drop,
     sync_client,
 )
-from kvlayer.backends.redis_layers import read_layers_on
 from kvlayer.backends.redis_pairs import (
+    MISS,
     ChunkNames,
+    Expected,
     HalfChunk,
+    Reply,
     chunk_names,
+    decode_pair,
     digest_of,
     head_pattern,
     msetnx_reply,
     split,
     write_commands,
 )
-from kvlayer.backends.redis_reads import MISS, Expected, Reply, decode_pair, read_reply
+from kvlayer.backends.redis_reads import read_layers_on, read_whole_on
+from kvlayer.backends.redis_replies import SUPPORTED as buffered_replies
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
-from kvlayer.storage import BackendContext, StorageBackend
+from kvlayer.storage import BackendContext, StorageBackend, check_batch
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 COUNTERS = ("hits", "misses", "checksum_errors", "half_chunks", "staging_full", "node_errors", "bytes_read",
@@ -88,30 +91,6 @@ USAGE_EVERY_S = 5.0
 NODE_SHARE = 0.8
 """In cluster mode each node's pipeline gets this share of the deadline, so the others' answers
 arrive before the call's deadline when one node hangs."""
-
-
-@dataclass(frozen=True, slots=True)
-class RedisSettings:
-    """The tier's settings, taken from ``KVLayerConfig`` (see the module docstring)."""
-
-    url: str
-    cluster: bool = False
-    ttl_s: int = 0
-    prefix: str = "kvlayer"
-    compression: str = "none"
-    timeout_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.url!r}")
-        if self.ttl_s < 0:
-            raise ValueError(f"redis_ttl_s must be >= 0, got {self.ttl_s}")
-        if not self.prefix or any(c in self.prefix for c in "{}*?[]\\"):
-            raise ValueError(f"redis_key_prefix must be non-empty, without {{}}*?[]\\, got {self.prefix!r}")
-        if self.compression not in serde.COMPRESSION_CODES:
-            raise ValueError(f"compression must be one of {sorted(serde.COMPRESSION_CODES)}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"tier_timeout_ms must be positive, got {self.timeout_s * 1000}")
 
 
 class RedisBackend(StorageBackend):
@@ -136,7 +115,6 @@ class RedisBackend(StorageBackend):
         self._usage = (0, 0)
         self._usage_at = float("-inf")
         self._tasks: set[asyncio.Task[None]] = set()
-        self._logged: set[str] = set()
         self._closed = False
 
     @classmethod
@@ -177,10 +155,11 @@ class RedisBackend(StorageBackend):
         wants = [Expected(k, self._layout.chunk_shape(k.num_tokens), self._layout.dtype, self._staging)
                  for k in keys]
         async with self._deadline():
-            if self.settings.cluster:
-                replies = await self._get_cluster(wants)
+            if self.settings.cluster or not buffered_replies:
+                replies = await self._get_parsed(wants)
             else:
-                replies = await self._pooled(lambda conn: self._get_on(conn, wants))
+                names = [self.redis_keys(k) for k in keys]
+                replies = await self._pooled("MGET", lambda conn: read_whole_on(conn, names, wants))
         # No await from here on: the objects in the replies cannot leak to a cancellation.
         self._tally([(self.redis_keys(k), r.obj is not None, r.nbytes, r.error, r.stored)
                      for k, r in zip(keys, replies)])
@@ -189,27 +168,26 @@ class RedisBackend(StorageBackend):
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
         """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s of the bodies by layer group
-        (``backends/redis_layers.py``); compressed values and cluster mode read whole values."""
+        (``backends/redis_reads.py``); compressed values and cluster mode read whole values."""
         if self.settings.cluster or self.settings.compression != "none" or not keys or not buffered_replies:
             return await super().read_layers(keys, outs, groups, on_group)
         names = [self.redis_keys(k) for k in keys]
         async with self._deadline():
-            values = await self._pooled(lambda conn: read_or_drop(
-                conn, "GETRANGE", read_layers_on(conn, names, keys, outs, groups, on_group)))
+            values = await self._pooled("GETRANGE", lambda conn: read_layers_on(conn, names, keys, outs, groups,
+                                                                                 on_group))
         flags = [v.verified() for v in values]
         # Not "stored": a chunk read into the caller's ``outs`` never meets a full staging arena.
         self._tally([(name, ok, v.nbytes, v.error, False) for name, ok, v in zip(names, flags, values)])
         return flags
 
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
-        """Write each chunk neither of whose keys is present (``MSETNX``); ValueError for a chunk
-        that does not fit its key.
+        """Write each chunk neither of whose keys is present (``MSETNX``); ValueError (before
+        anything is written) unless each chunk fits its key (``check_batch``).
 
         In cluster mode, chunks bound for a failing node are dropped (``node_errors``); a
         server error reply (e.g. OOM) raises after the other chunks are written.
         """
-        if len(keys) != len(chunks):
-            raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
+        check_batch(keys, chunks, self._layout)
         if not keys:
             return
         pairs = [self._encode(k, c) for k, c in zip(keys, chunks)]
@@ -267,10 +245,6 @@ class RedisBackend(StorageBackend):
     # --- encoding and decoding --------------------------------------------------------
     def _encode(self, key: ChunkKey, chunk: MemoryObj) -> tuple[bytes, PiecewiseValue]:
         """The head and body values; the body is a view of the chunk (or of its lz4 frame)."""
-        shape = self._layout.chunk_shape(key.num_tokens)
-        if tuple(chunk.shape) != shape or chunk.dtype != self._layout.dtype:
-            raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
-                             f"{key.hex[:16]} (expected {shape} {self._layout.dtype})")
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
         head, body = split(*serde.encode_chunk(key, tensor, self.settings.compression))
         return head, PiecewiseValue((body,))
@@ -287,11 +261,11 @@ class RedisBackend(StorageBackend):
             elif error is not None:
                 kind = "half_chunks" if isinstance(error, HalfChunk) else "checksum_errors"
                 self._stats[kind] += 1
-                self._log_once(kind, "redis: invalid chunk %s (%s); deleting its keys", names.head.decode(), error)
+                self._log_fault(kind, "invalid chunk %s (%s); deleting its keys", names.head.decode(), error)
                 bad.append(names)
             elif stored:
                 self._stats["staging_full"] += 1
-                self._log_once("staging", "redis: the staging arena is full; reads become misses")
+                self._log_fault("staging", "the staging arena is full; reads become misses")
         if bad:
             self._spawn(self._delete(bad))
         self._maybe_sample_usage()
@@ -309,34 +283,20 @@ class RedisBackend(StorageBackend):
             self._loop = loop
         return self._client
 
-    async def _pooled(self, read: Callable[[Any], Awaitable[T]]) -> T:
-        """``read(conn)`` on a pooled connection, whose replies it parses itself; one retry on a
-        fresh connection, as redis-py's own calls do (``read`` must start over on each call)."""
+    async def _pooled(self, what: str, read: Callable[[Any], Awaitable[T]]) -> T:
+        """``read(conn)`` on a pooled connection, whose ``what`` replies it parses itself (the
+        connection is dropped if it fails mid-reply); one retry on a fresh connection, as redis-py's
+        own calls do (``read`` must start over on each call)."""
         pool = self._connection().connection_pool
         conn = await pool.get_connection()
         try:
-            return await conn.retry.call_with_retry(lambda: read(conn), lambda _: conn.disconnect())
+            return await conn.retry.call_with_retry(lambda: read_or_drop(conn, what, read(conn)),
+                                                    lambda _: conn.disconnect())
         finally:
             await pool.release(conn)
 
-    async def _get_on(self, conn: Any, wants: list[Expected]) -> list[Reply]:
-        await conn.send_packed_command(conn.pack_commands([("MGET", *self.redis_keys(w.key)) for w in wants]))
-        replies: list[Reply] = []
-
-        async def read_all() -> list[Reply]:
-            for want in wants:
-                replies.append(await read_reply(conn._reader, want))
-            return replies
-
-        try:
-            return await read_or_drop(conn, "MGET", read_all())
-        except BaseException:
-            for r in replies:
-                if r.obj is not None:
-                    r.obj.release()
-            raise
-
-    async def _get_cluster(self, wants: list[Expected]) -> list[Reply]:
+    async def _get_parsed(self, wants: list[Expected]) -> list[Reply]:
+        """Whole chunks through redis-py's reply parser (cluster mode, or no buffered reader)."""
         values = await self._run([("MGET", *self.redis_keys(w.key)) for w in wants])
         return [decode_pair(*v, w) if isinstance(v, list) else _error_reply(v) for v, w in zip(values, wants)]
 
@@ -371,8 +331,8 @@ class RedisBackend(StorageBackend):
                 raise r
         if failures:
             self._stats["node_errors"] += len(failures)
-            self._log_once(f"node {node}", "redis: cluster node %s failed (%r); its keys are misses",
-                           node, failures[0])
+            self._log_fault(f"node {node}", "cluster node %s failed (%r); its keys are misses",
+                            node, failures[0])
 
     async def _delete(self, names: list[ChunkNames]) -> None:
         async with self._deadline():
@@ -403,12 +363,7 @@ class RedisBackend(StorageBackend):
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self._log_once("background", "redis: a background call failed: %r", task.exception())
-
-    def _log_once(self, kind: str, msg: str, *args: object) -> None:
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning(msg, *args)
+            self._log_fault("background", "a background call failed: %r", task.exception())
 
 
 def _error_reply(reply: Any) -> Reply:

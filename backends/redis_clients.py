@@ -1,6 +1,7 @@
-"""redis-py clients for the Redis tier (``backends/redis.py``), built lazily, with no I/O, and
-the few calls the tier makes on them.
+"""The Redis tier's settings and the redis-py clients built from them, lazily, with no I/O, and
+the few calls the tier (``backends/redis.py``) makes on them.
 
+``RedisSettings`` holds what the tier is configured with (validated on construction).
 ``make_client`` gives the asyncio client: a plain one whose connections send a
 ``PiecewiseValue`` (a chunk's body: a view of its tensor) without ever copying it, or a
 cluster client; ``sync_client`` a blocking one for occasional admin calls. ``pipeline`` sends
@@ -14,14 +15,37 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from kvlayer.backends.redis import RedisSettings
+from kvlayer import serde
 
 T = TypeVar("T")
 _BIG_PIECE = 64 * 1024
 """Pieces at least this large are written alone, from their own memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """The tier's settings, taken from ``KVLayerConfig`` (see ``backends/redis.py``)."""
+
+    url: str
+    cluster: bool = False
+    ttl_s: int = 0
+    prefix: str = "kvlayer"
+    compression: str = "none"
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        if self.ttl_s < 0:
+            raise ValueError(f"redis_ttl_s must be >= 0, got {self.ttl_s}")
+        if not self.prefix or any(c in self.prefix for c in "{}*?[]\\"):
+            raise ValueError(f"redis_key_prefix must be non-empty, without {{}}*?[]\\, got {self.prefix!r}")
+        if self.compression not in serde.COMPRESSION_CODES:
+            raise ValueError(f"compression must be one of {sorted(serde.COMPRESSION_CODES)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"tier_timeout_ms must be positive, got {self.timeout_s * 1000}")
 
 
 @dataclass(frozen=True, slots=True)

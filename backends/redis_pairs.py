@@ -15,16 +15,24 @@ serde format is unchanged (header, body, tail back to back are a chunk file's by
 header's checksum covers the whole payload). Both keys are written together by ``MSETNX``
 (both or neither), so the only half chunks are those where Redis evicted or expired one key:
 readers treat them as misses (``HalfChunk``) and delete both keys.
+
+Checking a pair: ``check_head`` is the one check of a head value (its serde header against the
+key, shape and dtype; its size against the header), ``check_body`` the body's size.
+``decode_pair`` turns a head and a body that redis-py read (cluster mode, and the fallback where
+``backends/redis_replies.py`` cannot run) into the same ``Reply`` as the buffered whole-chunk
+read (``backends/redis_reads.py``): any mismatch is a ``Reply`` with ``error`` set, never data.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from kvlayer import serde
 from kvlayer.keys import KEY_BYTES, ChunkKey
+from kvlayer.memory import Arena, MemoryObj
 
 TAIL = 128
 """Payload bytes kept in the head: more than a string's header and terminator take (about 10-20)."""
@@ -39,6 +47,32 @@ class ChunkNames(NamedTuple):
 
     head: bytes
     body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What a key's chunk must be: its key, shape and dtype, and the arena its copy goes to."""
+
+    key: ChunkKey
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    staging: Arena
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A chunk read: ``obj`` on a hit (one reference, owned by the caller); ``stored`` whether
+    either of its keys held a value; ``error`` why the values are not the key's chunk (a
+    ``HalfChunk`` when one key is missing; ``stored`` with neither ``obj`` nor ``error``: the
+    staging arena was full); ``nbytes`` the values' size."""
+
+    obj: MemoryObj | None
+    stored: bool
+    error: serde.ChunkFormatError | None = None
+    nbytes: int = 0
+
+
+MISS = Reply(None, False)
 
 
 def tail_len(payload_len: int) -> int:
@@ -96,6 +130,38 @@ def check_body(header: serde.ChunkHeader, size: int) -> None:
     """ChunkFormatError unless a body of ``size`` bytes fits ``header``."""
     if size != body_len(header):
         raise serde.ChunkFormatError(f"body is {size} bytes, its header says {body_len(header)}")
+
+
+def decode_pair(head: Any, body: Any, want: Expected) -> Reply:
+    """The ``Reply`` for a head and a body value redis-py read (bytes, or None for a missing key)."""
+    if head is None and body is None:
+        return MISS
+    if not isinstance(head, bytes) or not isinstance(body, bytes):
+        return Reply(None, True, HalfChunk(f"{'body' if body is None else 'head'} missing"), len(head or body or b""))
+    nbytes = len(head) + len(body)
+    try:
+        header = check_head(head, len(head), want.key, want.shape, want.dtype)
+        check_body(header, len(body))
+    except serde.ChunkFormatError as e:
+        return Reply(None, True, e, nbytes)
+    return decoded(header, body + head[serde.HEADER_SIZE:], nbytes, want)
+
+
+def decoded(header: serde.ChunkHeader, payload: bytes | memoryview, nbytes: int, want: Expected) -> Reply:
+    """The ``Reply`` for values of ``nbytes`` bytes with a checked ``header`` and their whole
+    ``payload`` (verified and decoded into a staging object)."""
+    obj = want.staging.allocate(header.shape, header.dtype)
+    if obj is None:
+        return Reply(None, True, None, nbytes)
+    try:
+        serde.decode_payload(header, payload, obj.tensor)
+    except serde.ChunkFormatError as e:
+        obj.release()
+        return Reply(None, True, e, nbytes)
+    except BaseException:
+        obj.release()
+        raise
+    return Reply(obj, True, None, nbytes)
 
 
 def write_commands(names: ChunkNames, head: bytes, body: Any, ttl_s: int, multi: bool) -> list[tuple[Any, ...]]:

@@ -1,23 +1,35 @@
-"""Reading the Redis tier's chunks into staging objects, one ``MGET head body`` reply each
-(used by ``backends/redis.py``; the two-key layout is in ``backends/redis_pairs.py``).
+"""Reading the Redis tier's chunks through its one reply reader (``backends/redis_replies.py``):
+whole chunks into staging objects (``get_many``) and layer groups into the caller's chunks
+(``read_layers``). The two-key layout and its checks are in ``backends/redis_pairs.py``.
 
-``read_reply`` reads one RESP2/RESP3 ``MGET`` reply from a connection's stream itself instead of
-through redis-py's reply parser, which copies each value several times (into the parser's
-buffer, growing it, then into a new ``bytes``) before the tier could check it and copy it again.
-The head comes first: its header is checked and its tail kept; then the body is hashed and
-copied straight from the stream's read buffer into the staging tensor, one slice at a time
-while it is still in cache, and the tail goes after it. lz4 payloads are read whole, then decoded.
-One ``MGET`` reads both keys at one instant, so a chunk written or deleted meanwhile is seen
-whole or not at all; only a key Redis evicted or expired alone makes a ``HalfChunk``.
+Both send one pipeline, then read its replies in order under one ``switched_replies``: every
+payload byte is received by the socket straight into the chunk it belongs to and hashed as it
+lands, while it is still in cache; the payload's last bytes (the tail) come with the head. One
+function, ``_read_head``, checks a head for both (its serde header against the key, shape and
+dtype, its size against the header) and keeps its tail.
 
-``decode_pair`` turns values redis-py already read (the cluster path) into the same ``Reply``.
-Both follow the serde format's checks: any mismatch is a ``Reply`` with ``error`` set, never data.
+Whole chunks (``read_whole_on``): one ``MGET head body`` per chunk, which reads both keys at one
+instant, so a chunk written or deleted meanwhile is seen whole or not at all; only a key Redis
+evicted or expired alone makes a ``HalfChunk``. The body goes into a staging object allocated
+once the head and the body's size check out (a full arena: the body is skipped); lz4 payloads
+are received whole into scratch memory, then decoded.
+
+Layer groups (``read_layers_on``): the payload is raw and layer-major, so layers ``[lo, hi)`` are
+payload bytes ``lo * L .. hi * L - 1`` (L: one layer's bytes): a ``GETRANGE`` of the body at
+those offsets, then, for the last group(s), bytes of the tail. One pipeline asks ``GET`` of every
+head and ``STRLEN`` of every body (a missing head: a missing chunk; a head without its body: a
+``HalfChunk``), then ``GETRANGE`` of group 0 of every body, then group 1, and so on; each chunk's
+running checksum is checked after its last group. Raw values only: compressed chunks and cluster
+mode go through whole reads.
+
+A value of the wrong size, type, header or checksum fails its key only; a broken stream raises
+``ProtocolError`` (or the transport's errors), after which the connection must be dropped
+(``redis_clients.read_or_drop``).
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,54 +38,70 @@ import xxhash
 
 from kvlayer import serde
 from kvlayer.keys import ChunkKey
-from kvlayer.memory import Arena, MemoryObj
+from kvlayer.memory import MemoryObj, release_all
 
-from .redis_pairs import HalfChunk, check_body, check_head
+from .redis_pairs import (
+    MISS,
+    ChunkNames,
+    Expected,
+    HalfChunk,
+    Reply,
+    check_body,
+    check_head,
+    decoded,
+    tail_len,
+)
+from .redis_replies import BufferedReplies, ProtocolError, parse_bulk_size, switched_replies
 
-_READ_SIZE = 1 << 20
-
-
-class ProtocolError(ConnectionError):
-    """The connection's stream holds something other than the expected reply: it cannot be reused."""
-
-
-@dataclass(frozen=True, slots=True)
-class Expected:
-    """What a key's chunk must be: its key, shape and dtype, and the arena its copy goes to."""
-
-    key: ChunkKey
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    staging: Arena
+_RAW = serde.COMPRESSION_CODES["none"]
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A chunk read: ``obj`` on a hit (one reference, owned by the caller); ``stored`` whether
-    either of its keys held a value; ``error`` why the values are not the key's chunk (a
-    ``HalfChunk`` when one key is missing; ``stored`` with neither ``obj`` nor ``error``: the
-    staging arena was full); ``nbytes`` the values' size."""
+async def _read_head(wire: BufferedReplies, size: int, key: ChunkKey, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> tuple[serde.ChunkHeader | None, bytes, serde.ChunkFormatError | None]:
+    """Read a ``size``-byte head value (after its length line, through its CRLF): ``(header, tail,
+    None)`` if it is ``key``'s chunk of ``shape`` and ``dtype``, else ``(None, b"", why)``."""
+    head = await wire.exactly(min(size, serde.HEADER_SIZE))
+    try:
+        header = check_head(head, size, key, shape, dtype)
+    except serde.ChunkFormatError as e:
+        await wire.skip(size - len(head))
+        return None, b"", e
+    tail = await wire.exactly(size - len(head))
+    await wire.crlf()
+    return header, tail, None
 
-    obj: MemoryObj | None
-    stored: bool
-    error: serde.ChunkFormatError | None = None
-    nbytes: int = 0
+
+# --- whole chunks ------------------------------------------------------------------------
+async def read_whole_on(conn: Any, names: Sequence[ChunkNames], wants: Sequence[Expected]) -> list[Reply]:
+    """``MGET`` each chunk's two keys ``names[i]`` on the redis-py connection ``conn`` and read the
+    replies into staging objects: each key's ``Reply`` (its ``obj`` owned by the caller)."""
+    await conn.send_packed_command(conn.pack_commands([("MGET", *n) for n in names]))
+    with switched_replies(conn) as wire:
+        return await read_pairs(wire, wants)
 
 
-MISS = Reply(None, False)
+async def read_pairs(wire: BufferedReplies, wants: Sequence[Expected]) -> list[Reply]:
+    """Read one ``MGET head body`` reply per ``wants``; on any failure the objects read are released."""
+    replies: list[Reply] = []
+    try:
+        for want in wants:
+            replies.append(await _read_pair(wire, want))
+    except BaseException:
+        release_all(r.obj for r in replies if r.obj is not None)
+        raise
+    return replies
 
 
-async def read_reply(stream: asyncio.StreamReader, want: Expected) -> Reply:
-    """Read one ``MGET head body`` reply from ``stream``; ProtocolError (or the stream's own
-    errors) if the stream breaks or holds no such reply, after which the connection must be dropped."""
-    line = await stream.readuntil(b"\r\n")
+async def _read_pair(wire: BufferedReplies, want: Expected) -> Reply:
+    line = await wire.line()
     if line[:1] == b"-":  # e.g. NOPERM
         return Reply(None, True, serde.ChunkFormatError(f"error reply: {line[1:-2].decode(errors='replace')[:80]}"))
     if line != b"*2\r\n":
         raise ProtocolError(f"unexpected reply to MGET: {line[:80]!r}")
-    head_size = await bulk_size(stream)
-    header, tail, error = await _read_head(stream, head_size, want) if head_size >= 0 else (None, b"", None)
-    size = await bulk_size(stream)
+    head_size = await wire.bulk_size()
+    header, tail, error = (await _read_head(wire, head_size, want.key, want.shape, want.dtype) if head_size >= 0
+                           else (None, b"", None))
+    size = await wire.bulk_size()
     nbytes = max(head_size, 0) + max(size, 0)
     if head_size < 0 and size < 0:
         return MISS
@@ -83,76 +111,32 @@ async def read_reply(stream: asyncio.StreamReader, want: Expected) -> Reply:
         except serde.ChunkFormatError as e:
             error = e
         else:
-            return await _read_body(stream, header, size, tail, nbytes, want)
+            return await _read_body(wire, header, size, tail, nbytes, want)
     if size >= 0:
-        await skip_reply(stream, size)
+        await wire.skip(size)
     return Reply(None, True, error or HalfChunk(f"{'body' if size < 0 else 'head'} missing"), nbytes)
 
 
-def decode_pair(head: Any, body: Any, want: Expected) -> Reply:
-    """The ``Reply`` for a head and a body value redis-py read (bytes, or None for a missing key)."""
-    if head is None and body is None:
-        return MISS
-    if not isinstance(head, bytes) or not isinstance(body, bytes):
-        return Reply(None, True, HalfChunk(f"{'body' if body is None else 'head'} missing"), len(head or body or b""))
-    nbytes = len(head) + len(body)
-    try:
-        header = check_head(head, len(head), want.key, want.shape, want.dtype)
-        check_body(header, len(body))
-    except serde.ChunkFormatError as e:
-        return Reply(None, True, e, nbytes)
-    return _decoded(header, body + head[serde.HEADER_SIZE:], nbytes, want)
-
-
-def _decoded(header: serde.ChunkHeader, payload: bytes | memoryview, size: int, want: Expected) -> Reply:
-    """The reply for values of ``size`` bytes with a checked ``header`` and their ``payload``."""
+async def _read_body(wire: BufferedReplies, header: serde.ChunkHeader, size: int, tail: bytes, nbytes: int,
+                     want: Expected) -> Reply:
+    """The reply for a checked head and the ``size``-byte body (then CRLF) coming next."""
+    if header.compression != _RAW:
+        payload = memoryview(bytearray(size + len(tail)))
+        await wire.into(payload[:size])
+        await wire.crlf()
+        payload[size:] = tail
+        return decoded(header, payload, nbytes, want)
     obj = want.staging.allocate(header.shape, header.dtype)
     if obj is None:
-        return Reply(None, True, None, size)
-    try:
-        serde.decode_payload(header, payload, obj.tensor)
-    except serde.ChunkFormatError as e:
-        obj.release()
-        return Reply(None, True, e, size)
-    except BaseException:
-        obj.release()
-        raise
-    return Reply(obj, True, None, size)
-
-
-async def _read_head(stream: asyncio.StreamReader, size: int,
-                     want: Expected) -> tuple[serde.ChunkHeader | None, bytes, serde.ChunkFormatError | None]:
-    """Read a ``size``-byte head (then CRLF): ``(header, tail, None)`` if it is ``want``'s, else
-    ``(None, b"", why)``."""
-    head = await stream.readexactly(min(size, serde.HEADER_SIZE))
-    try:
-        header = check_head(head, size, want.key, want.shape, want.dtype)
-    except serde.ChunkFormatError as e:
-        await skip_reply(stream, size - len(head))
-        return None, b"", e
-    tail = await stream.readexactly(size - len(head))
-    await skip_reply(stream, 0)
-    return header, tail, None
-
-
-async def _read_body(stream: asyncio.StreamReader, header: serde.ChunkHeader, size: int, tail: bytes,
-                     nbytes: int, want: Expected) -> Reply:
-    """The reply for a checked head and the ``size``-byte body (then CRLF) coming next on ``stream``."""
-    if header.compression != serde.COMPRESSION_CODES["none"]:
-        body = await stream.readexactly(size)
-        await skip_reply(stream, 0)
-        return _decoded(header, body + tail, nbytes, want)
-    obj = want.staging.allocate(header.shape, header.dtype)
-    if obj is None:
-        await skip_reply(stream, size)
+        await wire.skip(size)
         return Reply(None, True, None, nbytes)
     try:
         hasher = xxhash.xxh3_64()
-        dst = obj.tensor.view(-1).view(torch.uint8).numpy()
-        await read_into(stream, dst[:size], hasher)
-        await skip_reply(stream, 0)
+        dst = memoryview(obj.tensor.view(-1).view(torch.uint8).numpy())
+        await wire.into(dst[:size], hasher)
+        await wire.crlf()
+        dst[size:] = tail
         hasher.update(tail)
-        dst[size:] = np.frombuffer(tail, dtype=np.uint8)
     except BaseException:
         obj.release()
         raise
@@ -162,41 +146,137 @@ async def _read_body(stream: asyncio.StreamReader, header: serde.ChunkHeader, si
     return Reply(obj, True, None, nbytes)
 
 
-async def bulk_size(stream: asyncio.StreamReader) -> int:
-    """Read a bulk string's length line: its size, or -1 for a null (RESP2 ``$-1``, RESP3 ``_``)."""
-    return parse_bulk_size(await stream.readuntil(b"\r\n"))
+# --- layer groups ------------------------------------------------------------------------
+class RangedValue:
+    """One chunk's read state: where its bytes go, its running checksum and its first error
+    (``header`` None and no ``error``: its head is missing, the chunk is a plain miss)."""
+
+    def __init__(self, key: ChunkKey, out: MemoryObj) -> None:
+        self.key = key
+        self.out = out
+        self.dst = out.tensor.view(-1).view(torch.uint8).numpy()
+        self.layer_bytes = len(self.dst) // out.shape[0]
+        self.body_bytes = len(self.dst) - tail_len(len(self.dst))
+        self.hasher = xxhash.xxh3_64()
+        self.header: serde.ChunkHeader | None = None
+        self.tail = b""
+        self.error: serde.ChunkFormatError | None = None
+        self.nbytes = 0
+
+    @property
+    def reading(self) -> bool:
+        """Whether its bytes still go into its chunk (its head was valid, nothing failed since)."""
+        return self.header is not None and self.error is None
+
+    def body_span(self, lo: int, hi: int) -> tuple[int, int]:
+        """The body (and payload) bytes ``[start, end)`` of layers ``[lo, hi)``, without the tail's."""
+        return min(lo * self.layer_bytes, self.body_bytes), min(hi * self.layer_bytes, self.body_bytes)
+
+    def add_tail(self, lo: int, hi: int) -> None:
+        """Copy and hash the part of layers ``[lo, hi)`` the head held (after their body bytes)."""
+        start, end = max(lo * self.layer_bytes, self.body_bytes), min(hi * self.layer_bytes, len(self.dst))
+        if self.reading and start < end:
+            piece = self.tail[start - self.body_bytes : end - self.body_bytes]
+            self.hasher.update(piece)
+            self.dst[start:end] = np.frombuffer(piece, dtype=np.uint8)
+
+    def fail(self, error: serde.ChunkFormatError) -> None:
+        """Record why the chunk is not valid (its first reason is kept)."""
+        self.error = self.error or error
+
+    def verified(self) -> bool:
+        """Whether every byte arrived and matches the header's checksum (call after the last group)."""
+        if self.reading and self.header is not None:
+            if self.hasher.intdigest() == self.header.payload_checksum:
+                return True
+            self.error = serde.ChunkFormatError("payload checksum mismatch")
+        return False
 
 
-def parse_bulk_size(line: bytes) -> int:
-    """The size a bulk string's length ``line`` announces, or -1 for a null; ProtocolError if it is none."""
-    if line == b"_\r\n":
-        return -1
-    if line[:1] != b"$":
-        raise ProtocolError(f"expected a bulk string, got {line[:80]!r}")
-    try:
-        return max(int(line[1:-2]), -1)
-    except ValueError:
-        raise ProtocolError(f"bad bulk length in {line[:80]!r}") from None
+async def read_layers_on(conn: Any, names: Sequence[ChunkNames], keys: Sequence[ChunkKey],
+                         outs: Sequence[MemoryObj], groups: Sequence[tuple[int, int]],
+                         on_group: Callable[[int], None]) -> list[RangedValue]:
+    """Send the ranged reads of the chunks ``names`` on the redis-py connection ``conn`` and fill ``outs``.
+
+    Answers each key's ``RangedValue`` (``verified()`` tells whether it holds the chunk, ``error``
+    why not; a never-started value is a missing key).
+    """
+    values = [RangedValue(k, o) for k, o in zip(keys, outs, strict=True)]
+    commands: list[tuple[Any, ...]] = [c for n in names for c in (("GET", n.head), ("STRLEN", n.body))]
+    for lo, hi in groups:
+        for n, v in zip(names, values):
+            start, end = v.body_span(lo, hi)
+            if start < end:  # GETRANGE's end is inclusive: an empty range cannot be asked for
+                commands.append(("GETRANGE", n.body, start, end - 1))
+    await conn.send_packed_command(conn.pack_commands(commands))
+    with switched_replies(conn) as wire:
+        for v in values:
+            await _read_head_reply(wire, v)
+            await _read_body_length(wire, v)
+        for g, (lo, hi) in enumerate(groups):
+            for v in values:
+                start, end = v.body_span(lo, hi)
+                if start < end:
+                    await _read_range(wire, v, start, end)
+                v.add_tail(lo, hi)
+            on_group(g)
+    return values
 
 
-async def read_into(stream: asyncio.StreamReader, out: np.ndarray, hasher: Any) -> None:
-    """Fill ``out`` (uint8) from ``stream``, feeding the bytes to ``hasher`` (an xxh3 state)."""
-    done = 0
-    while done < len(out):
-        data = await stream.read(min(len(out) - done, _READ_SIZE))
-        if not data:
-            raise ProtocolError("the server closed the connection mid-reply")
-        hasher.update(data)
-        out[done:done + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        done += len(data)
+async def _error_or_line(wire: BufferedReplies, v: RangedValue) -> bytes | None:
+    """The next reply's first line, or None after failing ``v`` for an error reply (e.g. WRONGTYPE)."""
+    line = await wire.line()
+    if line[:1] == b"-":
+        v.fail(serde.ChunkFormatError(f"not a string value: {line[1:80]!r}"))
+        return None
+    return line
 
 
-async def skip_reply(stream: asyncio.StreamReader, n: int) -> None:
-    """Drop ``n`` bytes of a value, then the CRLF ending it."""
-    while n > 0:
-        data = await stream.read(min(n, _READ_SIZE))
-        if not data:
-            raise ProtocolError("the server closed the connection mid-reply")
-        n -= len(data)
-    if await stream.readexactly(2) != b"\r\n":
-        raise ProtocolError("a value not followed by CRLF")
+async def _read_head_reply(wire: BufferedReplies, v: RangedValue) -> None:
+    """Read a head's GET reply: a raw chunk of ``v``'s shape gives ``v`` its header and tail."""
+    line = await _error_or_line(wire, v)
+    size = -1 if line is None else parse_bulk_size(line)
+    if size < 0:
+        return
+    v.nbytes += size
+    header, tail, error = await _read_head(wire, size, v.key, tuple(v.out.shape), v.out.dtype)
+    if header is not None and (header.compression != _RAW or header.payload_len != len(v.dst)):
+        header, error = None, serde.ChunkFormatError("not a raw chunk of this shape")
+    if error is not None:
+        v.fail(error)
+    v.header, v.tail = header, tail
+
+
+async def _read_body_length(wire: BufferedReplies, v: RangedValue) -> None:
+    """Read a body's STRLEN reply (0: no body); a body of another size fails ``v``."""
+    line = await _error_or_line(wire, v)
+    if line is None:
+        return
+    if line[:1] != b":":
+        raise ProtocolError(f"unexpected reply to STRLEN: {line[:80]!r}")
+    size = int(line[1:-2])
+    if v.reading and v.header is not None:
+        if size == 0:
+            v.fail(HalfChunk("body missing"))
+            return
+        try:
+            check_body(v.header, size)
+        except serde.ChunkFormatError as e:
+            v.fail(e)
+
+
+async def _read_range(wire: BufferedReplies, v: RangedValue, start: int, end: int) -> None:
+    """Read one GETRANGE reply into ``v``'s chunk bytes ``[start, end)`` (or past it once ``v`` failed)."""
+    line = await _error_or_line(wire, v)
+    if line is None:
+        return
+    size = parse_bulk_size(line)
+    if v.reading and size != end - start:  # the body changed since its STRLEN
+        v.fail(serde.ChunkFormatError(f"body range is {size} bytes, expected {end - start}"))
+    if not v.reading:
+        if size >= 0:  # a null (never from GETRANGE) has no bytes to skip
+            await wire.skip(size)
+        return
+    await wire.into(memoryview(v.dst)[start:end], v.hasher)
+    await wire.crlf()
+    v.nbytes += size

@@ -293,7 +293,7 @@ def test_a_tail_spanning_whole_layer_groups(layer_bytes: int) -> None:
 @pytest.mark.parametrize("tier", ["redis"], indirect=True)
 def test_redis_reads_whole_chunks_where_the_buffered_reader_cannot_run(tier: Any,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a Python whose StreamReader lacks the internals ``redis_buffered`` needs, ranged reads
+    """On a Python whose StreamReader lacks the internals ``redis_replies`` needs, ranged reads
     fall back to whole chunks (every group signalled at the end), with the same results."""
     import kvlayer.backends.redis as redis_backend
 

@@ -1,19 +1,18 @@
-"""Tests of the Redis tier (backends/redis.py) against throwaway servers: round trips, the
-two-key layout and its memory per KV byte, TTL, a second process reading, prefix lookups, ACL
-passwords and TLS.
+"""Tests of the Redis tier (backends/redis.py) against throwaway servers: round trips (through
+the tier's reply reader and through redis-py's), the two-key layout and its memory per KV
+byte, TTL, prefix lookups, put checks, a full staging arena and usage.
 
 Run: ``.venv/bin/python -m pytest tests/backends/test_redis.py`` (skips without redis-server).
-Fault injection lives in ``test_redis_faults.py``, which reuses the helpers defined here (as
-does the child process of ``test_second_process_reads``).
+The helpers defined here are reused by the other ``test_redis_*.py`` files: connections (a
+second process, ACL passwords, TLS) in ``test_redis_connections.py``, fault injection in
+``test_redis_faults.py``, reads through the reply reader in ``test_redis_reads.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 import redis as redis_sync
 import torch
 
+import kvlayer.backends.redis as redis_backend
 from kvlayer import serde
 from kvlayer.backends import redis_pairs
 from kvlayer.backends.redis import RedisBackend
@@ -41,7 +41,9 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
 CHUNK = 16
 CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
 ROOT = str(Path(__file__).parents[2])
-"""The repository root: the child process imports ``tests.backends.test_redis`` from it."""
+"""The repository root (a child process imports the tests from it)."""
+READERS = ["buffered", "redis-py"]
+"""How whole chunks are read: by the tier's reply reader, or by redis-py (``without_buffered_reader``)."""
 
 
 # --- helpers (also used by test_redis_faults.py and the child process) -------------------
@@ -81,6 +83,17 @@ def tls_server(folder: Path) -> Iterator[str]:
         yield f"{server.url}?ssl_ca_certs={tls.ca_cert}"
     finally:
         server.close()
+
+
+def without_buffered_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the tier read as on a Python whose StreamReader lacks the internals its reply reader
+    needs (``redis_replies.SUPPORTED`` false): every read through redis-py's parser."""
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the buffered reply reader ran")
+
+    monkeypatch.setattr(redis_backend, "buffered_replies", False)
+    monkeypatch.setattr(redis_backend, "read_whole_on", refuse)
+    monkeypatch.setattr(redis_backend, "read_layers_on", refuse)
 
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -166,8 +179,12 @@ def test_importing_the_backend_does_not_import_redis() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("compression", ["none", "lz4"])
-def test_round_trip_is_exact(redis_server: RedisServer, compression: str) -> None:
+def test_round_trip_is_exact(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, compression: str,
+                             reader: str) -> None:
+    if reader == "redis-py":
+        without_buffered_reader(monkeypatch)
     keys = keys_of(5)
 
     async def main() -> None:
@@ -341,63 +358,3 @@ def test_usage_reports_the_servers_memory() -> None:
 
         used, capacity = run(main())
     assert used > 0 and capacity == 64 * 1024**2
-
-
-def _child_reads(url: str, seed: str, n: str) -> None:
-    """In the child process: read ``n`` chunks of ``seed`` and print which hit exactly."""
-    keys = keys_of(int(n), int(seed))
-
-    async def main() -> list[bool]:
-        async with opened(url) as backend:
-            return check_and_release(await backend.get_many(keys), keys)
-
-    print(json.dumps(run(main())))
-
-
-def test_second_process_reads(redis_server: RedisServer) -> None:
-    keys = keys_of(4, seed=7)
-
-    async def main() -> None:
-        async with opened(redis_server.url) as backend:
-            await put_keys(backend, keys[:3])
-
-    run(main())
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); from tests.backends.test_redis import _child_reads; " \
-           "_child_reads(*sys.argv[1:])"
-    out = subprocess.run([sys.executable, "-c", code, redis_server.url, "7", "4"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, True, True, False]
-
-
-def test_password_and_acl_user() -> None:
-    args = ["--requirepass", "s3cret", "--user", "alice", "on", ">wonder", "~kvlayer:*", "+@all"]
-    with RedisServer(args) as server:
-        base = f"127.0.0.1:{server.port}"
-        keys = keys_of(2)
-
-        async def main() -> None:
-            async with opened(f"redis://:s3cret@{base}") as backend:
-                await put_keys(backend, keys)
-            async with opened(f"redis://alice:wonder@{base}") as backend:
-                assert check_and_release(await backend.get_many(keys), keys) == [True, True]
-            for bad in (f"redis://:wrong@{base}", f"redis://alice:wrong@{base}", f"redis://{base}"):
-                async with opened(bad, tier_timeout_ms=1000) as backend:
-                    start = time.monotonic()
-                    with pytest.raises(Exception, match="(?i)auth|password|invalid"):
-                        await backend.get_many(keys)
-                    assert time.monotonic() - start < 1.0
-
-        run(main())
-
-
-def test_tls(tmp_path: Path) -> None:
-    keys = keys_of(3)
-
-    async def main(url: str) -> None:
-        async with opened(url) as backend:
-            await put_keys(backend, keys)
-            assert check_and_release(await backend.get_many(keys), keys) == [True] * 3
-
-    with tls_server(tmp_path) as url:
-        run(main(url))

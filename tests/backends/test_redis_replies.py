@@ -1,10 +1,12 @@
-"""Tests of ``backends/redis_buffered.py``: replies received straight into their destination
-while our protocol is installed, and the connection handed back intact (or failed) afterwards.
+"""Tests of ``backends/redis_replies.py``, the Redis tier's reply reader: replies received
+straight into their destination while our protocol is installed, and the connection handed back
+intact (or failed) afterwards; which StreamReaders it can run on.
 
-Most tests talk to a tiny asyncio server that sends the bytes the test wants (no Redis needed);
-the last ones read layer groups through ``RedisBackend`` from a real server, over TLS too.
+The tests talk to a tiny asyncio server that sends the bytes the test wants (no Redis needed;
+``served`` and ``sending`` are also used by ``test_redis_reads.py``). Reads through the tier
+from real servers, over TLS too, are in ``test_redis_reads.py``.
 
-Run: ``.venv/bin/python -m pytest tests/backends/test_redis_buffered.py``.
+Run: ``.venv/bin/python -m pytest tests/backends/test_redis_replies.py``.
 """
 
 from __future__ import annotations
@@ -14,23 +16,18 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 
-from kvlayer.backends.redis import RedisBackend
-from kvlayer.backends.redis_buffered import WINDOW, BufferedReplies, switched_replies
-from kvlayer.backends.redis_reads import ProtocolError
-from kvlayer.config import KVLayerConfig
-from kvlayer.layout import KVLayout
-from kvlayer.memory import Arena
-from kvlayer.storage import BackendContext
-from tests.backends.test_nvme import put_keys
-from tests.backends.test_redis import tls_server
-from tests.fakes import chunk_data, make_keys, namespace
-from tests.redis_server import RedisServer
+from kvlayer.backends.redis_replies import (
+    WINDOW,
+    BufferedReplies,
+    ProtocolError,
+    parse_bulk_size,
+    supported,
+    switched_replies,
+)
 
 
 @dataclass
@@ -241,70 +238,20 @@ def test_a_line_without_end_is_a_protocol_error() -> None:
     run(main())
 
 
-# --- through the Redis tier -----------------------------------------------------------------
-LAYOUT = KVLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16)
-CHUNK = 256
-SIZE = LAYOUT.chunk_bytes(CHUNK)  # 768 KiB: each group's range takes several receives
-GROUPS = [(0, 1), (1, 4), (4, 6)]
+def test_bulk_lengths_and_nulls() -> None:
+    assert [parse_bulk_size(line) for line in (b"$0\r\n", b"$12\r\n", b"$-1\r\n", b"_\r\n")] == [0, 12, -1, -1]
+    for line in (b"+OK\r\n", b":1\r\n", b"$abc\r\n"):
+        with pytest.raises(ProtocolError):
+            parse_bulk_size(line)
 
 
-@asynccontextmanager
-async def stored(url: str, n: int, timeout_ms: int = 10_000) -> AsyncIterator[tuple[RedisBackend, list, list]]:
-    """A Redis tier at ``url`` holding ``n`` chunks: ``(backend, keys, outs)``, ``outs`` objects to read into."""
-    cfg = KVLayerConfig(chunk_size=CHUNK, cpu_capacity=0, redis_url=url, tier_timeout_ms=timeout_ms)
-    backend = RedisBackend.create(BackendContext(cfg, LAYOUT, torch.device("cpu"), Arena(n * SIZE, SIZE)))
-    assert backend is not None
-    keys = make_keys(n, 4, namespace(chunk_size=CHUNK, layout=LAYOUT))
-    arena = Arena(n * SIZE, SIZE)
-    outs = [arena.allocate(LAYOUT.chunk_shape(CHUNK), LAYOUT.dtype) for _ in keys]
-    try:
-        await put_keys(backend, keys, LAYOUT)  # type: ignore[arg-type]
-        yield backend, keys, outs
-    finally:
-        for o in outs:
-            o.release()  # type: ignore[union-attr]
-        await backend.close()
+def test_runs_only_on_a_stream_reader_with_the_internals_it_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert supported(asyncio.StreamReader)
 
+    class NoBuffer(asyncio.StreamReader):
+        def __init__(self) -> None:  # keeps its bytes elsewhere: no ``_buffer``, no ``_eof``
+            self.data = bytearray()
 
-async def read_all(backend: RedisBackend, keys: list, outs: list) -> None:
-    """Read ``keys`` by layer groups into ``outs`` (filled with NaN first) and check every byte."""
-    for o in outs:
-        o.tensor.fill_(float("nan"))
-    assert await backend.read_layers(keys, outs, GROUPS, lambda g: None) == [True] * len(keys)
-    assert all(torch.equal(o.tensor, chunk_data(k, LAYOUT)) for k, o in zip(keys, outs))
-
-
-async def read_back(url: str) -> None:
-    """Read chunks by layer groups twice on one connection, then whole through its stream again."""
-    async with stored(url, 4) as (backend, keys, outs):
-        await read_all(backend, keys, outs)
-        await read_all(backend, keys, outs)
-        objs = await backend.get_many(keys)
-        assert all(o is not None and torch.equal(o.tensor, chunk_data(k, LAYOUT)) for k, o in zip(keys, objs))
-        for o in objs:
-            o.release()  # type: ignore[union-attr]
-
-
-def test_large_chunks_by_layer_groups(redis_server: RedisServer) -> None:
-    run(read_back(redis_server.url))
-
-
-def test_large_chunks_by_layer_groups_over_tls(tmp_path: Path) -> None:
-    with tls_server(tmp_path) as url:
-        run(read_back(url))
-
-
-def test_a_frozen_server_times_the_read_out_and_the_next_read_works(redis_server: RedisServer) -> None:
-    """The deadline cancels the read while our protocol is installed: the connection is dropped
-    (not left half read) and the next call, once the server answers again, reads every layer."""
-    async def main() -> None:
-        async with stored(redis_server.url, 2, timeout_ms=400) as (backend, keys, outs):
-            redis_server.pause()
-            try:
-                with pytest.raises((TimeoutError, ConnectionError)):
-                    await backend.read_layers(keys, outs, GROUPS, lambda g: None)
-            finally:
-                redis_server.resume()
-            await read_all(backend, keys, outs)
-
-    run(main())
+    assert not supported(NoBuffer)
+    monkeypatch.delattr(asyncio.StreamReader, "_maybe_resume_transport")
+    assert not supported(asyncio.StreamReader)

@@ -1,4 +1,5 @@
-"""Reading Redis replies with ``recv_into`` straight into their destination (used by ``backends/redis_layers.py``).
+"""The Redis tier's one reply reader: ``recv_into`` straight into each value's destination
+(used by ``backends/redis_reads.py`` for whole-chunk and layer-group reads).
 
 A redis-py asyncio connection reads through a ``StreamReader``: the socket's bytes become a new
 ``bytes`` in the transport, are appended to the reader's buffer, and ``read(n)`` copies them out
@@ -15,6 +16,9 @@ On leaving, the original protocol is put back and the bytes received past the la
 (none in a well-formed exchange) go back into the ``StreamReader``; an end of stream or a lost
 connection seen meanwhile is passed on to it, so redis-py sees the connection as it would have.
 The caller must drop the connection on any error: it is left mid-reply.
+
+``switched_replies`` relies on CPython's ``StreamReader`` internals (see ``supported``); where
+they are missing (``SUPPORTED`` false) the tier reads through redis-py's own reply parser.
 """
 
 from __future__ import annotations
@@ -24,17 +28,42 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .redis_reads import ProtocolError
-
 WINDOW = 4096
 """Bytes received at once into the scratch buffer: a length line and its value's first bytes."""
 MAX_LINE = 64 * 1024
 """A reply line longer than this is a broken stream."""
 _SKIP = 1 << 20
+_INTERNALS = ("_buffer", "_eof", "_maybe_resume_transport", "feed_data", "feed_eof")
 
-SUPPORTED = all(hasattr(asyncio.StreamReader, name) for name in ("_maybe_resume_transport", "feed_data", "feed_eof"))
-"""Whether this Python's StreamReader has the internals ``switched_replies`` uses (``_buffer`` and
-``_eof`` are instance attributes, checked on use); without them the tier reads whole chunks."""
+
+class ProtocolError(ConnectionError):
+    """The connection's stream holds something other than the expected reply: it cannot be reused."""
+
+
+def supported(reader: type = asyncio.StreamReader) -> bool:
+    """Whether the StreamReader class ``reader`` has the internals ``switched_replies`` uses: its
+    methods, and the buffer and end-of-stream flag its ``__init__`` sets (read without making one,
+    which would need an event loop)."""
+    init = getattr(reader.__init__, "__code__", None)
+    names = set(dir(reader)) | set(init.co_names if init is not None else ())
+    return all(name in names for name in _INTERNALS)
+
+
+SUPPORTED = supported()
+"""Whether this Python's StreamReader can hand its connection to ``switched_replies``."""
+
+
+def parse_bulk_size(line: bytes) -> int:
+    """The size a bulk string's length ``line`` announces, or -1 for a null (RESP2 ``$-1``, RESP3
+    ``_``); ProtocolError if it is none."""
+    if line == b"_\r\n":
+        return -1
+    if line[:1] != b"$":
+        raise ProtocolError(f"expected a bulk string, got {line[:80]!r}")
+    try:
+        return max(int(line[1:-2]), -1)
+    except ValueError:
+        raise ProtocolError(f"bad bulk length in {line[:80]!r}") from None
 
 
 class BufferedReplies(asyncio.BufferedProtocol):
@@ -121,6 +150,10 @@ class BufferedReplies(asyncio.BufferedProtocol):
         line = bytes(self._buf[self._start:i + 2])
         self._start = i + 2
         return line
+
+    async def bulk_size(self) -> int:
+        """Read a bulk string's length line: its size, or -1 for a null."""
+        return parse_bulk_size(await self.line())
 
     async def exactly(self, n: int) -> bytes:
         """The next ``n`` bytes (a small value: read through scratch)."""
