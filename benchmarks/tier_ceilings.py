@@ -10,7 +10,16 @@ the same bytes, with none of kvlayer's work (headers, checksums, indexes, stagin
   packing commands with ``PythonRespSerializer`` (a large value is sent as its own piece;
   the hiredis packer copies it into one buffer first, several times slower here).
 
-Every function returns GiB/s, best of ``repeat`` runs.
+Every ``*_rate(s)`` function returns GiB/s, best of ``repeat`` runs. The ``KVCacheEngine`` rows
+(``kvlayer.benchmarks.tier_engine``) alternate their own runs with these ceilings' single runs,
+timed by ``alternated_times``:
+
+- ``scatter_runs``/``gather_run``: one torch ``index_copy_``/``index_select`` per layer of a
+  sequence's slots from/into a contiguous buffer (scatters both with float and with 16-byte
+  elements, since ``kvlayer.transfer`` moves rows as the latter where it can);
+- ``read_files_run``/``write_files_runs``: ``readinto`` of given files, ``write`` of new ones;
+- ``redis_get_run``/``redis_set_runs``: one raw pipeline of ``GET``s of given names, or of
+  ``SET``s of values of given sizes.
 """
 
 from __future__ import annotations
@@ -19,9 +28,16 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    import redis
+    import torch
 
 GIB = 2**30
+Run = Callable[[], object]
+K = TypeVar("K", bound=Hashable)
 
 
 def best_seconds(repeat: int, run: Callable[[], object], before: Callable[[], object] | None = None) -> float:
@@ -103,13 +119,18 @@ def file_rates(folder: str, count: int, size: int, repeat: int) -> dict[str, flo
     return {"put": put, "get_warm": warm, "get_cold": cold}
 
 
-def redis_rates(url: str, count: int, size: int, repeat: int) -> dict[str, float]:
-    """GiB/s of one pipeline of ``count`` ``SET``s of ``size``-byte values, and of ``GET``s of them."""
+def raw_client(url: str) -> redis.Redis:
+    """A redis-py synchronous client packing commands with ``PythonRespSerializer`` (see above)."""
     import redis
     from redis.connection import Encoder, PythonRespSerializer
 
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-    client = redis.Redis.from_url(url, command_packer=packer, socket_timeout=120)
+    return redis.Redis.from_url(url, command_packer=packer, socket_timeout=120)
+
+
+def redis_rates(url: str, count: int, size: int, repeat: int) -> dict[str, float]:
+    """GiB/s of one pipeline of ``count`` ``SET``s of ``size``-byte values, and of ``GET``s of them."""
+    client = raw_client(url)
     names = [f"kvlayer-bench-raw:{i}" for i in range(count)]
     data = os.urandom(size)
 
@@ -129,3 +150,123 @@ def redis_rates(url: str, count: int, size: int, repeat: int) -> dict[str, float
         client.delete(*names)
         client.close()
     return {"put": put, "get": get}
+
+
+# ----- single runs, for the KVCacheEngine rows -------------------------------------------------
+def alternated_times(runs: Mapping[K, tuple[Run, Run | None]], repeat: int) -> dict[K, list[float]]:
+    """The wall times of ``repeat`` rounds, each calling every ``(run, before)`` of ``runs`` once in
+    turn (``before`` untimed ahead of its run), after one untimed warm-up round: alternating so
+    that every figure sees the same machine load."""
+    times: dict[K, list[float]] = {name: [] for name in runs}
+    for i in range(max(1, repeat) + 1):
+        for name, (run, before) in runs.items():
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            run()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def wide_rows(rows: torch.Tensor) -> torch.Tensor | None:
+    """``rows`` ``[2, n, kv_heads, head_dim]`` (contiguous) as ``[2, n, row_bytes // 16]`` complex128,
+    None where a row is not a multiple of 16 bytes."""
+    import torch
+
+    two, n, heads, dim = rows.shape
+    if (heads * dim * rows.element_size()) % 16 or not rows.is_contiguous():
+        return None
+    return rows.view(two, n, heads * dim).view(torch.complex128)
+
+
+def scatter_runs(caches: Sequence[torch.Tensor], slots: torch.Tensor, src: torch.Tensor) -> dict[str, Run]:
+    """One ``index_copy_`` per layer of ``src`` ``[layers, 2, n, kv_heads, head_dim]`` (contiguous)
+    into paged ``caches`` at ``slots``: by float elements (``float``) and, where rows allow, by
+    16-byte ones (``wide``)."""
+    flats = [c.view(2, -1, c.shape[3], c.shape[4]) for c in caches]
+
+    def by_float() -> None:
+        for layer, flat in enumerate(flats):
+            flat.index_copy_(1, slots, src[layer])
+
+    out: dict[str, Run] = {"float": by_float}
+    wide = [(wide_rows(f), wide_rows(src[layer])) for layer, f in enumerate(flats)]
+    if all(d is not None and s is not None for d, s in wide):
+        def by_wide() -> None:
+            for dst, rows in wide:
+                dst.index_copy_(1, slots, rows)  # type: ignore[union-attr]
+
+        out["wide"] = by_wide
+    return out
+
+
+def gather_run(caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> Run:
+    """One ``index_select`` per layer of ``caches`` at ``slots`` into ``out`` ``[layers, 2, n, kv_heads, head_dim]``."""
+    import torch
+
+    flats = [c.view(2, -1, c.shape[3], c.shape[4]) for c in caches]
+
+    def run() -> None:
+        for layer, flat in enumerate(flats):
+            torch.index_select(flat, 1, slots, out=out[layer])
+
+    return run
+
+
+def read_files_run(paths: Callable[[], Sequence[str]], buf: memoryview) -> Run:
+    """``readinto`` of each file ``paths()`` lists, whole, into consecutive parts of ``buf``."""
+    def run() -> None:
+        at = 0
+        for p in paths():
+            with open(p, "rb", buffering=0) as f:
+                at += f.readinto(buf[at:])
+
+    return run
+
+
+def write_files_runs(folder: str, sizes: Sequence[int]) -> tuple[Run, Run]:
+    """``(write, clear)``: write one new file per size under ``folder`` (no fsync), delete them."""
+    datas = {size: os.urandom(size) for size in set(sizes)}
+    paths = [os.path.join(folder, f"{i}.bin") for i in range(len(sizes))]
+
+    def write() -> None:
+        for p, size in zip(paths, sizes):
+            with open(p, "wb", buffering=0) as f:
+                f.write(datas[size])
+
+    def clear() -> None:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+    return write, clear
+
+
+def redis_get_run(client: redis.Redis, names: Sequence[bytes]) -> Run:
+    """One pipeline of ``GET``s of ``names``; RuntimeError if one is missing."""
+    def run() -> None:
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            pipe.get(n)
+        if any(v is None for v in pipe.execute()):
+            raise RuntimeError("a value the ceiling reads is missing from Redis")
+
+    return run
+
+
+def redis_set_runs(client: redis.Redis, sizes: Sequence[int], prefix: str) -> tuple[Run, Run]:
+    """``(set, clear)``: one pipeline of ``SET``s of random values of ``sizes`` under ``prefix``, delete them."""
+    datas = {size: os.urandom(size) for size in set(sizes)}
+    names = [f"{prefix}:{i}" for i in range(len(sizes))]
+
+    def put() -> None:
+        pipe = client.pipeline(transaction=False)
+        for n, size in zip(names, sizes):
+            pipe.set(n, datas[size])
+        pipe.execute()
+
+    def clear() -> None:
+        client.delete(*names)
+
+    return put, clear

@@ -37,7 +37,7 @@ from kvlayer.memory import release_all as _release
 from kvlayer.read_plan import ChunkReads, LayerGroups, ReadPlan
 from kvlayer.staging import Staging
 from kvlayer.tier_manager import TierManager
-from kvlayer.transfer import gather_layer, scatter_layer
+from kvlayer.transfer import CopyPlan
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,12 @@ class LoadJob:
         try:
             plans = [item.plan() for item in self._items]
             reads = ChunkReads.open(self._tiers, plans, self._staging, self._groups)
-            objs = reads.objs
+            copies = CopyPlan([piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
+                               for piece in _pieces(item, plan.keys, chunks)])
             with _on(self._stream, self._start_event):
                 for layer, cache in enumerate(self._caches):
                     reads.wait_layer(layer)
-                    for item, plan, chunks in zip(self._items, plans, objs, strict=True):
-                        _scatter_layer(layer, cache, item, plan.keys, chunks)
+                    copies.scatter_layer(layer, cache)
                     if self._events:
                         self._events[layer].record(self._stream)
                     self._ready[layer].set()
@@ -166,6 +166,7 @@ class SaveJob:
                 if obj is None:
                     break
                 self._chunks.append((item.request_id, key, obj, item.slots[key.start : key.end]))
+        self._copies = CopyPlan([(obj.tensor, slots) for _, _, obj, slots in self._chunks])
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -175,8 +176,7 @@ class SaveJob:
         if not self._chunks:
             return
         with _on(self._stream, _record(self._stream)):
-            for _, _, obj, slots in self._chunks:
-                gather_layer(cache, slots, obj.tensor[layer])
+            self._copies.gather_layer(layer, cache)
 
     def finish(self, failed: dict[str, int] | None = None) -> None:
         """Wait for the copies, then store the chunks, except those of a request in ``failed``
@@ -203,11 +203,14 @@ class SaveJob:
             _release(objs)
 
 
-def _scatter_layer(layer: int, cache: torch.Tensor, item: LoadItem, keys: Sequence[ChunkKey],
-                   objs: list[MemoryObj]) -> None:
+def _pieces(item: LoadItem, keys: Sequence[ChunkKey], objs: list[MemoryObj]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each chunk's tokens of ``[item.start, item.end)`` and their slots."""
+    out = []
     for key, obj in zip(keys, objs):
         lo, hi = max(key.start, item.start), min(key.end, item.end)
-        scatter_layer(obj.tensor[layer, :, lo - key.start : hi - key.start], cache, item.slots[lo:hi])
+        chunk = obj.tensor if (lo, hi) == (key.start, key.end) else obj.tensor[:, :, lo - key.start : hi - key.start]
+        out.append((chunk, item.slots[lo:hi]))
+    return out
 
 
 def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:

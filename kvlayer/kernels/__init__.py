@@ -1,4 +1,4 @@
-"""Triton kernels of kvlayer's data path (ARCHITECTURE.md section 6).
+"""Triton kernels of kvlayer's data path (docs/architecture.md section 6).
 
 ``copy_kernels`` holds the ``@triton.jit`` kernels, ``copy_ops`` their launch wrappers; both
 import triton, so ``kvlayer.transfer`` imports them only when it runs a kernel. This package

@@ -1,5 +1,5 @@
 """Tests of kvlayer/kernels/copy_ops.py and transfer.py's dispatch: Triton gather/scatter (run by
-Triton's interpreter, see conftest.py) equal the torch functions exactly."""
+Triton's interpreter, see conftest.py), alone or through a ``CopyPlan``, equal the torch functions exactly."""
 
 from __future__ import annotations
 
@@ -91,6 +91,27 @@ def test_transfer_dispatch_with_strided_chunks() -> None:
     transfer.scatter_layer(reference[2] + 1, got[1], slots, use_triton=True)
     transfer.scatter_layer(reference[2] + 1, want[1], slots, use_triton=False)
     assert torch.equal(got[1], want[1])
+
+
+def test_a_copy_plan_runs_the_kernels_for_each_piece() -> None:
+    """A plan's pieces (a whole chunk and a token slice of one) through Triton equal the torch path,
+    layer by layer and all layers at once."""
+    slots = _table_slots(8, 0, 40)
+    chunks = [torch.randn((LAYERS, 2, 24, 2, 16)).to(torch.float16) for _ in range(2)]
+    pieces = [(chunks[0][:, :, 4:], slots[:20]), (chunks[1][:, :, :20], slots[20:])]
+    want, got = _caches(2, 16, torch.float16, seed=8), _caches(2, 16, torch.float16, seed=8)
+    transfer.CopyPlan(pieces, use_triton=False).scatter(want)
+    plan = transfer.CopyPlan(pieces, use_triton=True)
+    plan.scatter_layer(1, got[1])
+    assert torch.equal(got[1], want[1])
+    plan.scatter(got)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    outs = [torch.zeros((LAYERS, 2, 24, 2, 16), dtype=torch.float16) for _ in range(2)]
+    back = transfer.CopyPlan([(outs[0][:, :, 4:], slots[:20]), (outs[1][:, :, :20], slots[20:])], use_triton=True)
+    back.gather(want)
+    assert torch.equal(outs[0][:, :, 4:], chunks[0][:, :, 4:]) and torch.equal(outs[1][:, :, :20], chunks[1][:, :, :20])
+    back.gather_layer(2, got[0])
+    assert torch.equal(outs[0][2, :, 4:], chunks[0][0, :, 4:])
 
 
 def test_tiles_stay_powers_of_two_near_the_budget() -> None:

@@ -67,14 +67,14 @@ def test_layer_zero_is_ready_while_later_layers_are_still_copied(kv, executor, m
     save(kv, tokens, src, slots)
     dst = caches(fill=False)
     gate = threading.Event()
-    real = pipeline.scatter_layer
+    real = pipeline.CopyPlan.scatter_layer
 
-    def slow_last_layer(chunk, cache, s):
+    def slow_last_layer(plan, layer, cache):
         if cache is dst[-1]:
             assert gate.wait(10), "the test never opened the gate"
-        real(chunk, cache, s)
+        real(plan, layer, cache)
 
-    monkeypatch.setattr(pipeline, "scatter_layer", slow_last_layer)
+    monkeypatch.setattr(pipeline.CopyPlan, "scatter_layer", slow_last_layer)
     job = load(kv, dst, [item(kv, "r", kv.keys(tokens), slots, 0, 16)], executor)
     job.wait_layer(0)  # returns although the last layer is held back
     assert torch.equal(kv_at(dst[:1], slots), kv_at(src[:1], slots))

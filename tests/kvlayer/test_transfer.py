@@ -1,0 +1,142 @@
+"""Tests of kvlayer/transfer.py's torch path: gathers and scatters (one chunk, or several through a
+``CopyPlan``) equal a token-by-token copy bit for bit, NaN payloads included, whether the rows
+move as 16-byte elements or, where the layout does not allow that, as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlayer import transfer
+
+LAYERS = 3
+BLOCK_SIZE = 16
+NUM_BLOCKS = 10
+INTS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def bits(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bit patterns as ``dtype``: NaNs with payloads, infinities and subnormals among them."""
+    gen = torch.Generator().manual_seed(seed)
+    ints = INTS[dtype]
+    info = torch.iinfo(ints)
+    return torch.randint(info.min, info.max, shape, generator=gen, dtype=ints).view(dtype)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(INTS[a.dtype]), b.view(INTS[b.dtype]))
+
+
+def caches(heads: int, dim: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    return [bits(dtype, (2, NUM_BLOCKS, BLOCK_SIZE, heads, dim), seed + i) for i in range(LAYERS)]
+
+
+def slots_of(seed: int, start: int, end: int) -> torch.Tensor:
+    table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    return transfer.slot_mapping(table, BLOCK_SIZE, start, end)
+
+
+def scattered(chunk: torch.Tensor, cache_list: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    """The reference: ``cache_list`` copied, then each token of ``chunk`` written to its slot one by one."""
+    out = [c.clone() for c in cache_list]
+    for layer, cache in enumerate(out):
+        flat = cache.view(2, -1, *cache.shape[3:])
+        for i, slot in enumerate(slots.tolist()):
+            flat[:, slot] = chunk[layer, :, i]
+    return out
+
+
+def gathered(cache_list: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    return torch.stack([torch.stack([c.view(2, -1, *c.shape[3:])[:, s] for s in slots.tolist()], 1)
+                        for c in cache_list])
+
+
+# (heads, dim): rows of 1 KiB, 64 and 32 bytes move as 16-byte elements; rows of 12 bytes cannot
+LAYOUTS = [(4, 64), (2, 16), (1, 8), (1, 3)]
+
+
+@pytest.mark.parametrize("dtype", sorted(INTS, key=str), ids=str)
+@pytest.mark.parametrize(("heads", "dim"), LAYOUTS)
+def test_scatter_and_gather_equal_token_by_token_copies(dtype: torch.dtype, heads: int, dim: int) -> None:
+    cache_list, slots = caches(heads, dim, dtype, seed=1), slots_of(2, 3, 45)
+    chunk = bits(dtype, (LAYERS, 2, len(slots), heads, dim), seed=3)
+    want = scattered(chunk, cache_list, slots)
+    got = [c.clone() for c in cache_list]
+    transfer.scatter(chunk, got, slots)
+    assert all(same(g, w) for g, w in zip(got, want))
+    one = cache_list[1].clone()
+    transfer.scatter_layer(chunk[1], one, slots)
+    assert same(one, want[1])
+    out = torch.empty_like(chunk)
+    transfer.gather(want, slots, out)
+    assert same(out, gathered(want, slots))
+    assert same(out, chunk)
+
+
+def test_rows_move_as_16_byte_elements_only_where_the_layout_allows() -> None:
+    cache = torch.zeros(2, 4, 16, 4, 64)
+    flat = transfer._flat(cache)
+    wide = transfer._wide(flat)
+    assert wide is not None and wide.dtype == torch.complex128 and wide.shape == (2, 64, 64)
+    assert wide.data_ptr() == cache.data_ptr(), "a view, not a copy"
+    assert transfer._wide(torch.zeros(2, 8, 1, 3)) is None, "12-byte rows"
+    assert transfer._wide(torch.zeros(2 * 8 * 4 * 4 + 1)[1:].view(2, 8, 4, 4)) is None, "4-byte aligned"
+    assert transfer._wide(torch.zeros(2, 8, 16, 4).transpose(-1, -2)) is None, "rows not contiguous"
+    assert transfer._wide(torch.zeros(2, 40, 4, 4)[:, 3:30]) is not None, "a token slice of a chunk"
+    assert transfer._wide(torch.zeros(2, 8, 4, 4)[:, :, :, 1:]) is None, "gaps between a token's heads"
+
+
+def test_a_single_scatter_moves_wide_rows_only_when_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its views cost more than they save below ``_WIDE_MIN_BYTES``; above, the result is the same."""
+    calls = []
+    real = transfer._wide
+    monkeypatch.setattr(transfer, "_wide", lambda rows: calls.append(rows.shape) or real(rows))
+    cache = bits(torch.float16, (2, 24, BLOCK_SIZE, 4, 64), seed=20)
+    slots = transfer.slot_mapping(torch.randperm(24).tolist(), BLOCK_SIZE, 0, 256)
+    for n in (16, 256):  # 2 x 16 x 512 bytes, then 2 x 256 x 512 bytes = _WIDE_MIN_BYTES
+        calls.clear()
+        chunk = bits(torch.float16, (LAYERS, 2, n, 4, 64), seed=n)
+        want = scattered(chunk[1:2], [cache], slots[:n])[0]
+        transfer.scatter_layer(chunk[1], cache, slots[:n])
+        assert same(cache, want)
+        assert len(calls) == (2 if n == 256 else 0), calls
+
+
+def test_misaligned_and_strided_chunks_fall_back_and_stay_exact() -> None:
+    cache_list, slots = caches(4, 4, torch.float32, seed=4), slots_of(5, 0, 20)
+    n = LAYERS * 2 * 20 * 4 * 4
+    misaligned = bits(torch.float32, (n + 1,), seed=6)[1:].view(LAYERS, 2, 20, 4, 4)
+    transposed = bits(torch.float32, (LAYERS, 2, 20, 4, 4), seed=7).transpose(-1, -2)
+    for chunk in (misaligned, transposed):
+        want = scattered(chunk, cache_list, slots)
+        got = [c.clone() for c in cache_list]
+        transfer.scatter(chunk, got, slots)
+        assert all(same(g, w) for g, w in zip(got, want))
+        out = torch.empty_like(chunk)
+        transfer.gather(want, slots, out)
+        assert same(out, chunk)
+
+
+@pytest.mark.parametrize(("heads", "dim"), [(4, 64), (1, 3)])
+def test_a_plan_moves_several_pieces_layer_by_layer(heads: int, dim: int) -> None:
+    """Whole chunks and token slices of chunks (a partial load), in one plan, each layer once."""
+    cache_list = caches(heads, dim, torch.bfloat16, seed=8)
+    slots = slots_of(9, 0, 100)
+    chunks = [bits(torch.bfloat16, (LAYERS, 2, 32, heads, dim), seed=10 + i) for i in range(3)]
+    pieces = [(chunks[0][:, :, 7:], slots[7:32]), (chunks[1], slots[32:64]), (chunks[2][:, :, :20], slots[64:84])]
+    want = cache_list
+    for chunk, s in pieces:
+        want = scattered(chunk, want, s)
+    got = [c.clone() for c in cache_list]
+    plan = transfer.CopyPlan(pieces)
+    for layer in reversed(range(LAYERS)):  # in any order, each once
+        plan.scatter_layer(layer, got[layer])
+    assert all(same(g, w) for g, w in zip(got, want))
+    plan.scatter(got)  # a plan may run again
+    assert all(same(g, w) for g, w in zip(got, want))
+    outs = [torch.zeros(LAYERS, 2, 40, heads, dim, dtype=torch.bfloat16) for _ in range(2)]
+    back = transfer.CopyPlan([(outs[0][:, :, 5:30], slots[7:32]), (outs[1][:, :, :32], slots[32:64])])
+    back.gather(want)
+    assert same(outs[0][:, :, 5:30], chunks[0][:, :, 7:]) and same(outs[1][:, :, :32], chunks[1])
+    assert not outs[0][:, :, :5].any() and not outs[0][:, :, 30:].any(), "only the pieces' tokens are written"
+    transfer.CopyPlan([]).scatter(got)  # no pieces: nothing to do
