@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: the default model, machine and model facts, progress bars,
 tables, JSON output and figures (every figure carries the machine, model and settings it was
-measured with)."""
+measured with), and the ``type=`` functions that check every flag while it is parsed."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kvlayer.sizes import parse_size
 
 
 def default_model(home: str, preset: str = "bench", seed: int = 0) -> str:
@@ -59,8 +61,6 @@ def model_facts(model: str, device: str = "cpu") -> dict[str, Any]:
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """The command-line settings of a run as plain data (the handler and paths left out)."""
-    from kvlayer.benchmarks.configs import redact_url
-
     skip = {"func", "bench_module", "json", "plot", "verbose"}
     out = {k: v for k, v in sorted(vars(args).items()) if k not in skip and not callable(v)}
     if out.get("redis_url"):
@@ -68,8 +68,21 @@ def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.hostname or ""
+    netloc = f"{user}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def add_plot_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plot", help="also draw the results into this PNG file (matplotlib)")
+    p.add_argument("--plot", type=output_path, help="also draw the results into this PNG file (matplotlib)")
 
 
 @contextmanager
@@ -153,5 +166,107 @@ def timed(fn, *args, **kw) -> tuple[float, Any]:
     return time.perf_counter() - t, out
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def parse_ints(text: str, minimum: int | None = None) -> list[int]:
+    """The comma-separated integers of ``text`` ("128,256"); ValueError for an empty list, an
+    empty item ("1,,2"), a word, or (with ``minimum``) a number below ``minimum``."""
+    items = [x.strip() for x in text.split(",")]
+    if items == [""]:
+        raise ValueError("expected comma-separated integers, got nothing")
+    if "" in items:
+        raise ValueError(f"empty item in {text!r}")
+    return [_integer(x, minimum) for x in items]
+
+
+def _integer(text: str, minimum: int | None) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+    if minimum is not None and n < minimum:
+        raise ValueError(f"must be {'positive' if minimum == 1 else f'>= {minimum}'}, got {n}")
+    return n
+
+
+# ----- command-line values -----------------------------------------------------------------
+# ``type=`` functions for the benchmarks' flags: argparse calls them while parsing, before any
+# model is made or engine built, and reports an error as one line naming the flag
+# ("argument --lengths: not an integer: 'abc'"). Those that check a text the benchmark parses
+# again later (a size, a configuration list) return it unchanged, so settings record it as typed.
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _checked(lambda: _integer(text, 1))
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _checked(lambda: _integer(text, 0))
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (``inf`` allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated integers >= 1 ("128,256"): no empty item, at least one."""
+    return _checked(lambda: parse_ints(text, minimum=1))
+
+
+def checked_text(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """A ``type=`` function that checks a flag's text with ``parse`` (its ValueError is the
+    error argparse reports) and keeps the text, for a value the benchmark parses later."""
+    def check(text: str) -> str:
+        _checked(lambda: parse(text))
+        return text
+
+    return check
+
+
+size_text = checked_text(parse_size)
+"""A byte size ("512MiB", "4GiB", "1000000"), checked; the text is kept."""
+
+
+def size_or_auto(text: str) -> str:
+    """``auto`` (the benchmark sizes it) or a byte size, checked; the text is kept."""
+    return text if text == "auto" else size_text(text)
+
+
+def device_name(text: str) -> str:
+    """A torch device this machine can run the engine on ("cpu", "cuda", "cuda:1"), checked;
+    the text is kept."""
+    from kvlayer.engine.config import parse_device
+
+    _checked(lambda: parse_device(text))
+    return text
+
+
+def output_path(text: str) -> str:
+    """A file path a result can be written to at the end of a run: not a folder, and a file
+    can be made in its nearest existing parent (a probe file, removed at once; missing parents
+    are made when the result is written). The text is kept."""
+    import tempfile
+
+    path = Path(text).expanduser().absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    parent = next(p for p in path.parents if p.exists())
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".kvlayer-probe-"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e} ({parent})") from None
+    return text
+
+
+def _checked(parse: Callable[[], Any]) -> Any:
+    """``parse()``, its ValueError turned into argparse's type error (same message)."""
+    try:
+        return parse()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlayer.benchmarks.common import checked_text, positive_int, redact_url, size_or_auto, size_text
 from kvlayer.sizes import parse_size
 
 BASELINES: dict[str, bool] = {"recompute": False, "engine": True}
@@ -97,10 +98,12 @@ class BenchConfig:
 def add_config_arguments(p: argparse.ArgumentParser, default_configs: str = DEFAULT_CONFIGS,
                          cpu_capacity: str = "2GiB") -> None:
     """``--configs``, ``--chunk-size``, the tier capacities, ``--cache-dir`` and ``--redis-url``."""
-    p.add_argument("--configs", default=default_configs, help=f"comma-separated, of {', '.join(ALL_CONFIGS)}")
-    p.add_argument("--chunk-size", type=int, default=256, help="kvlayer chunk size in tokens")
-    p.add_argument("--cpu-capacity", default=cpu_capacity, help="kvlayer CPU tier size (e.g. 512MiB)")
-    p.add_argument("--nvme-capacity", default="16GiB", help="kvlayer NVMe tier size")
+    p.add_argument("--configs", type=config_names, default=default_configs,
+                   help=f"comma-separated, of {', '.join(ALL_CONFIGS)}")
+    p.add_argument("--chunk-size", type=positive_int, default=256, help="kvlayer chunk size in tokens")
+    p.add_argument("--cpu-capacity", type=size_or_auto if cpu_capacity == "auto" else size_text, default=cpu_capacity,
+                   help="kvlayer CPU tier size (e.g. 512MiB)" + (", or auto" if cpu_capacity == "auto" else ""))
+    p.add_argument("--nvme-capacity", type=size_text, default="16GiB", help="kvlayer NVMe tier size")
     p.add_argument("--cache-dir", help="folder for the NVMe tier's files (default: HOME/cache/bench)")
     p.add_argument("--redis-url", help="Redis for the 'redis' configuration (default: start a local "
                                        "redis-server when one is installed)")
@@ -116,6 +119,10 @@ def parse_configs(text: str) -> list[str]:
     if not names:
         raise ValueError("--configs names no configuration")
     return names
+
+
+config_names = checked_text(parse_configs)
+"""``--configs``' ``type=``: the text, checked by ``parse_configs``."""
 
 
 class ConfigFactory:
@@ -154,7 +161,7 @@ class ConfigFactory:
             return [n for n in names if n != "redis"]
         return names
 
-    def build(self, name: str, layerwise: bool = True, label: str | None = None) -> BenchConfig:
+    def build(self, name: str, layerwise: bool | str = "auto", label: str | None = None) -> BenchConfig:
         """A fresh configuration: kvlayer ones get an empty NVMe folder and their own Redis keys."""
         if name in BASELINES:
             return BenchConfig(name, label or name, BASELINES[name], None)
@@ -188,19 +195,6 @@ def factory_from_args(args: argparse.Namespace, names: list[str], kvlayer_prefix
                       nvme_capacity=parse_size(args.nvme_capacity))
     root = args.cache_dir or os.path.join(args.home, "cache", "bench")
     return ConfigFactory(sizes, root, args.redis_url, "redis" in names, kvlayer_prefix_caching)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its user part replaced by ``***``."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***" if parts.username else ":***"
-    host = parts.hostname or ""
-    netloc = f"{user}@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def drop_page_cache(folder: str | None) -> int:

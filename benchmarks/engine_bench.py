@@ -24,7 +24,8 @@ from kvlayer.benchmarks.common import (
     machine_info,
     model_facts,
     new_figure,
-    parse_ints,
+    positive_int,
+    positive_ints,
     print_table,
     progress,
     save_figure,
@@ -41,12 +42,12 @@ WARMUP_TOKENS = 64
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvlayer bench engine``."""
-    p.add_argument("--lengths", default="512,2048,8192", help="prompt lengths for prefill")
-    p.add_argument("--decode-seqs", type=int, default=16)
-    p.add_argument("--decode-prompt", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--lengths", type=positive_ints, default="512,2048,8192", help="prompt lengths for prefill")
+    p.add_argument("--decode-seqs", type=positive_int, default=16)
+    p.add_argument("--decode-prompt", type=positive_int, default=128)
+    p.add_argument("--decode-tokens", type=positive_int, default=32)
     p.add_argument("--no-hf", action="store_true", help="skip transformers (not installed, or to save time)")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", type=positive_int, default=3,
                    help="prefill measurements per length, ours and transformers' alternating; medians reported")
     add_plot_argument(p)
 
@@ -142,13 +143,11 @@ def kv_blocks(lengths: list[int], seqs: int, prompt: int, tokens: int) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Measure, print the table, write ``--json`` and ``--plot``; 0 on success (ValueError for a bad option)."""
+    """Measure, print the table, write ``--json`` and ``--plot``; 0 on success (the flags are
+    checked while parsed, see ``add_arguments``)."""
     from kvlayer.engine import LLM
 
-    lengths = parse_ints(args.lengths)
-    if not lengths or min(lengths) < 1 or min(args.decode_seqs, args.decode_prompt, args.decode_tokens,
-                                              args.repeat) < 1:
-        raise ValueError("--lengths, --repeat and the --decode-* options must be positive")
+    lengths = args.lengths
     model = args.model or default_model(args.home, "bench")
     facts = model_facts(model, args.device)
     vocab = facts["vocab"]

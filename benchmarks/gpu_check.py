@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kvlayer.benchmarks.common import machine_info, parse_ints, print_table, write_json
+from kvlayer.benchmarks.common import machine_info, positive_int, positive_ints, print_table, write_json
 
 COLUMNS = ("section", "what", "measured", "reference", "unit", "ratio", "pass", "note")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,10 +72,10 @@ class CheckSizes:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvlayer.benchmarks.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--out", help="write the report as JSON here")
-    p.add_argument("--lengths", type=parse_ints, default=[8192, 32768], help="TTFT prompt lengths (cached part)")
-    p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--bw-tokens", type=parse_ints, default=[256, 8192], help="tokens per bandwidth transfer")
+    p.add_argument("--lengths", type=positive_ints, default=[8192, 32768], help="TTFT prompt lengths (cached part)")
+    p.add_argument("--suffix", type=positive_int, default=32, help="new tokens after the cached prefix")
+    p.add_argument("--chunk-size", type=positive_int, default=256)
+    p.add_argument("--bw-tokens", type=positive_ints, default=[256, 8192], help="tokens per bandwidth transfer")
     p.add_argument("--goal", type=float, default=0.8, help="bandwidth goal, a fraction of the plain copy_")
     p.add_argument("--model-dir", help="keep the 1B model here (made once); default: a temporary folder")
     p.add_argument("--no-ttft", action="store_true", help="skip the TTFT comparison")

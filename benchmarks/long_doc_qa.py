@@ -22,6 +22,7 @@ from kvlayer.benchmarks.common import (
     machine_info,
     model_facts,
     new_figure,
+    positive_int,
     print_table,
     progress,
     save_figure,
@@ -36,22 +37,23 @@ GOAL_REUSE = 0.9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--docs", type=int, default=8)
-    p.add_argument("--doc-tokens", type=int, default=2048)
-    p.add_argument("--queries", type=int, default=3, help="queries per document (the first one is a miss)")
-    p.add_argument("--question-tokens", type=int, default=32)
-    p.add_argument("--answer-tokens", type=int, default=8)
-    p.add_argument("--layerwise", choices=("on", "off"), default="on", help="kvlayer's layer-by-layer loading")
+    p.add_argument("--docs", type=positive_int, default=8)
+    p.add_argument("--doc-tokens", type=positive_int, default=2048)
+    p.add_argument("--queries", type=positive_int, default=3, help="queries per document (the first one is a miss)")
+    p.add_argument("--question-tokens", type=positive_int, default=32)
+    p.add_argument("--answer-tokens", type=positive_int, default=8)
+    p.add_argument("--layerwise", choices=("auto", "on", "off"), default="auto",
+                   help="kvlayer's layer-by-layer loading (the config key layerwise)")
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p, "recompute,engine,cpu,cpu+nvme,nvme,redis", cpu_capacity="auto")
     add_plot_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    model = args.model or default_model(args.home, "bench")
     spec = LongDocSpec(args.docs, args.doc_tokens, args.queries, args.question_tokens, args.answer_tokens,
                        args.seed)
     names = parse_configs(args.configs)
+    model = args.model or default_model(args.home, "bench")
     need = -(-spec.request_tokens() // 16)
     size = EngineSize(-(-need * 5 // 4))
     per_token = model_facts(model, args.device)["kv_bytes_per_token"]
@@ -67,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
         turns = queries.turns()
         with progress(len(names) * len(turns), "long-doc-qa") as advance:
             for name in names:
-                config = factory.build(name, layerwise=args.layerwise == "on")
+                config = factory.build(name, layerwise=args.layerwise)
                 summary, recs = serve(model, args.device, config, size, [], turns, lambda _: queries,
                                             spec.answer_tokens, "sim", advance)
                 summary["reuse"] = reuse(spec, queries, recs)

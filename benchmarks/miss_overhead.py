@@ -34,6 +34,7 @@ from kvlayer.benchmarks.common import (
     machine_info,
     model_facts,
     new_figure,
+    positive_int,
     print_table,
     progress,
     save_figure,
@@ -50,15 +51,14 @@ GOAL_PCT = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--length", type=int, default=2048, help="prompt tokens of every request")
-    p.add_argument("--rounds", type=int, default=8, help="request pairs (one without kvlayer, one with) per config")
+    p.add_argument("--length", type=positive_int, default=2048, help="prompt tokens of every request")
+    p.add_argument("--rounds", type=positive_int, default=8,
+                   help="request pairs (one without kvlayer, one with) per config")
     add_config_arguments(p, "cpu,nvme")
     add_plot_argument(p)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.length < 1 or args.rounds < 1:
-        raise ValueError(f"--length and --rounds must be >= 1, got {args.length} and {args.rounds}")
     names = parse_configs(args.configs)
     if baselines := [n for n in names if n in BASELINES]:
         raise ValueError(f"--configs takes kvlayer configurations only, not {', '.join(baselines)}")

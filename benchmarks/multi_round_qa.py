@@ -30,6 +30,9 @@ from kvlayer.benchmarks.common import (
     machine_info,
     model_facts,
     new_figure,
+    nonnegative_int,
+    positive_float,
+    positive_int,
     print_table,
     progress,
     save_figure,
@@ -46,20 +49,23 @@ GOAL_TTFT_X, GOAL_TOKS_X, GOAL_WORKING_SET_X = 10.0, 3.0, 4.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--users", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=4, help="questions per user, warm-up rounds included")
-    p.add_argument("--warmup-rounds", type=int, default=1,
-                   help="first questions of every user served before measuring (they bring the history in)")
-    p.add_argument("--system-tokens", type=int, default=512, help="shared system prompt")
-    p.add_argument("--history-tokens", type=int, default=3072, help="each user's own history before round 1")
-    p.add_argument("--question-tokens", type=int, default=32)
-    p.add_argument("--answer-tokens", type=int, default=8)
-    p.add_argument("--rate", type=float, default=1.0, help="request arrivals per second (Poisson)")
+    p.add_argument("--users", type=positive_int, default=8)
+    p.add_argument("--rounds", type=positive_int, default=4, help="questions per user, warm-up rounds included")
+    p.add_argument("--warmup-rounds", type=nonnegative_int, default=1,
+                   help="first questions of every user served before measuring (they bring the history in); "
+                        "fewer than --rounds")
+    p.add_argument("--system-tokens", type=nonnegative_int, default=512, help="shared system prompt")
+    p.add_argument("--history-tokens", type=nonnegative_int, default=3072,
+                   help="each user's own history before round 1")
+    p.add_argument("--question-tokens", type=positive_int, default=32)
+    p.add_argument("--answer-tokens", type=positive_int, default=8)
+    p.add_argument("--rate", type=positive_float, default=1.0, help="request arrivals per second (Poisson)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="sim",
                    help="sim: simulated clock from measured step times; real: wall time")
-    p.add_argument("--engine-kv-tokens", type=int, default=0,
+    p.add_argument("--engine-kv-tokens", type=nonnegative_int, default=0,
                    help="engine KV capacity in tokens (default: just the largest request)")
-    p.add_argument("--layerwise", choices=("on", "off"), default="on", help="kvlayer's layer-by-layer loading")
+    p.add_argument("--layerwise", choices=("auto", "on", "off"), default="auto",
+                   help="kvlayer's layer-by-layer loading (the config key layerwise)")
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p, "recompute,engine,cpu,cpu+nvme,nvme,redis", cpu_capacity="auto")
     add_plot_argument(p)
@@ -73,12 +79,14 @@ def engine_size(spec: MultiRoundSpec, kv_tokens: int) -> EngineSize:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = args.model or default_model(args.home, "bench")
+    if args.warmup_rounds >= args.rounds:
+        raise ValueError(f"--warmup-rounds must be below --rounds ({args.rounds}), got {args.warmup_rounds}")
     spec = MultiRoundSpec(args.users, args.rounds, args.system_tokens, args.history_tokens,
                           args.question_tokens, args.answer_tokens, args.seed)
     names = parse_configs(args.configs)
     size = engine_size(spec, args.engine_kv_tokens)
     warmup, turns = spec.turns(args.rate, args.warmup_rounds)
+    model = args.model or default_model(args.home, "bench")
     results, records = [], {}
     # auto: half the working set's KV, so the CPU tier cannot hold every user and NVMe serves too
     half = spec.working_set_tokens() * model_facts(model, args.device)["kv_bytes_per_token"] // 2
@@ -92,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
               f"{args.warmup_rounds}), each user's history stored by then")
         with progress(len(names) * (len(warmup) + len(turns)), "multi-round-qa") as advance:
             for name in names:
-                config = factory.build(name, layerwise=args.layerwise == "on")
+                config = factory.build(name, layerwise=args.layerwise)
                 summary, recs = serve(model, args.device, config, size, warmup, turns,
                                             lambda vocab: ChatSessions(spec, vocab), spec.answer_tokens,
                                             args.clock, advance)

@@ -14,12 +14,19 @@ the raw ceiling measured in the same run (``kvlayer.benchmarks.tier_ceilings``):
   last bytes, and the rest of the payload). Ceiling: raw redis-py pipelined ``SET``/``GET`` of
   values of the chunk's size. Also Redis memory (``MEMORY USAGE`` of both keys) per byte of KV.
 
+Then ``KVCacheEngine`` itself (``kvlayer.benchmarks.tier_engine``): per tier, ``retrieve`` of a
+``--engine-tokens`` sequence into a paged cache at a random block table, and its durable
+``store`` (store + flush), median of ``--repeat`` rounds alternating with the tier's raw ceiling
+for the same bytes (cpu: torch ``index_copy_``/``index_select`` of the same slots; nvme: plain
+reads, warm and cold, and writes of the tier's files; redis: raw pipelined ``GET``s/``SET``s),
+with a goal line per row (ours >= ``GOAL_RATIO`` of the ceiling).
+
 Throughput counts KV bytes (the raw chunk, before lz4) per second; data is random float32
 (real-valued KV barely compresses). ``--redis-url`` names a server; without it a local
 redis-server is started when the binary exists, else the Redis rows are skipped with a note.
 ``KVLAYER_SMOKE=1`` shrinks the run to the ``tiny`` preset, 4 chunks and one run.
 
-Run: ``kvlayer bench tiers [--chunk-tokens 64,256] [--json PATH]``.
+Run: ``kvlayer bench tiers [--chunk-tokens 64,256] [--engine-tokens 2048] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from kvlayer.benchmarks.common import (
     close_figure,
     machine_info,
     new_figure,
-    parse_ints,
+    nonnegative_int,
+    positive_int,
+    positive_ints,
     print_table,
     progress,
     save_figure,
@@ -47,10 +56,13 @@ from kvlayer.benchmarks.common import (
     write_json,
 )
 from kvlayer.benchmarks.tier_ceilings import file_rates, memcpy_rate, redis_rates
+from kvlayer.benchmarks.tier_engine import BLOCK_SIZE, GOAL_RATIO
+from kvlayer.benchmarks.tier_engine import CEILINGS as ENGINE_CEILINGS
 
 if TYPE_CHECKING:
     from kvlayer.benchmarks.tier_runs import Batch
     from kvlayer.config import KVLayerConfig
+    from kvlayer.layout import KVLayout
 
 TIERS = ("cpu", "nvme", "redis")
 GOAL_GET_RATIO = 0.8
@@ -64,44 +76,58 @@ CEILINGS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvlayer bench tiers`` (``--model`` and ``--device`` are not used)."""
-    p.add_argument("--preset", default="bench", help="model preset whose KV layout sizes the chunks")
-    p.add_argument("--chunk-tokens", default="256", help="tokens per chunk, a comma-separated list")
-    p.add_argument("--chunks", type=int, default=16, help="chunks per put or get batch")
-    p.add_argument("--repeat", type=int, default=5, help="runs per figure (the best is kept)")
-    p.add_argument("--tiers", default=",".join(TIERS), help=f"tiers to measure, of {list(TIERS)}")
-    p.add_argument("--compressions", default="none,lz4", help="payload compressions to measure")
+    from kvlayer.engine.presets import PRESETS
+
+    p.add_argument("--preset", default="bench", choices=sorted(PRESETS),
+                   help="model preset whose KV layout sizes the chunks")
+    p.add_argument("--chunk-tokens", type=positive_ints, default=[256], help="tokens per chunk, a comma-separated list")
+    p.add_argument("--chunks", type=positive_int, default=16, help="chunks per put or get batch")
+    p.add_argument("--repeat", type=positive_int, default=5, help="runs per figure (the best is kept)")
+    p.add_argument("--tiers", type=_names_of(TIERS, "tier"), default=list(TIERS),
+                   help=f"tiers to measure, of {list(TIERS)}")
+    p.add_argument("--compressions", type=_names_of(("none", "lz4"), "compression"), default=["none", "lz4"],
+                   help="payload compressions to measure")
     p.add_argument("--nvme-path", help="folder for the disk figures (default: a temporary one under --home)")
     p.add_argument("--redis-url", help="Redis server to measure (default: a local redis-server, if installed)")
-    p.add_argument("--torch-threads", type=int, default=0,
+    p.add_argument("--engine-tokens", type=nonnegative_int, default=2048,
+                   help="tokens the KVCacheEngine rows store and retrieve, rounded down to whole chunks "
+                        "(0: no such rows)")
+    p.add_argument("--torch-threads", type=nonnegative_int, default=0,
                    help="torch threads for the copies (0: torch's default; 1 steadies figures on a busy machine)")
     add_plot_argument(p)
+
+
+def _names_of(allowed: tuple[str, ...] | list[str], what: str) -> Callable[[str], list[str]]:
+    """A ``type=`` function: comma-separated names, each one of ``allowed``, no empty item."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        for name in names:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(f"unknown {what} {name!r}; choose from {list(allowed)}")
+        return names
+
+    parse.__name__ = f"{what} list"
+    return parse
 
 
 def main(args: argparse.Namespace) -> int:
     """Measure, print the table, write ``--json`` and ``--plot``; 0 on success (ValueError for a bad option)."""
     from kvlayer.engine.presets import PRESETS
 
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; choose from {sorted(PRESETS)}")
-    tiers = [t for t in args.tiers.split(",") if t]
-    compressions = [c for c in args.compressions.split(",") if c]
-    for t in tiers:
-        if t not in TIERS:
-            raise ValueError(f"unknown tier {t!r}; choose from {list(TIERS)}")
-    if args.chunks <= 0 or args.repeat <= 0 or args.torch_threads < 0:
-        raise ValueError("--chunks and --repeat must be positive, --torch-threads >= 0")
+    tiers, compressions = list(args.tiers), list(args.compressions)
     if args.torch_threads:
         import torch
 
         torch.set_num_threads(args.torch_threads)
     notes: list[str] = []
     if os.environ.get("KVLAYER_SMOKE") == "1":  # the docs' smoke runs: the documented command, tiny sizes
-        args = argparse.Namespace(**{**vars(args), "preset": "tiny", "chunks": min(args.chunks, 4), "repeat": 1})
-        notes.append("KVLAYER_SMOKE=1: tiny preset, at most 4 chunks, one run")
+        args = argparse.Namespace(**{**vars(args), "preset": "tiny", "chunks": min(args.chunks, 4), "repeat": 1,
+                                     "engine_tokens": min(args.engine_tokens, 256)})
+        notes.append("KVLAYER_SMOKE=1: tiny preset, at most 4 chunks and 256 engine tokens, one run")
     with _redis_url(args.redis_url if "redis" in tiers else None, "redis" in tiers, notes) as url, \
             _nvme_folder(args.nvme_path, args.home) as folder:
-        sizes = parse_ints(args.chunk_tokens)
-        runs = len(sizes) * sum(1 if t == "cpu" else len(compressions) for t in tiers)
+        sizes = list(args.chunk_tokens)
+        runs = len(sizes) * sum((1 if t == "cpu" else len(compressions)) + bool(args.engine_tokens) for t in tiers)
         with progress(runs, "bench tiers") as advance:
             results = [_measure_size(args, PRESETS[args.preset], n, tiers, compressions, folder, url, advance)
                        for n in sizes]
@@ -113,8 +139,9 @@ def main(args: argparse.Namespace) -> int:
     record = {"machine": machine_info("cpu"), "model": model, "settings": settings_of(args),
               "preset": args.preset, "chunks": args.chunks,
               "repeat": args.repeat, "goals": {"get_ratio": GOAL_GET_RATIO,
-                                               "redis_memory_per_kv_byte": GOAL_REDIS_MEMORY},
-              "ceilings": CEILINGS, "notes": notes, "results": results}
+                                               "redis_memory_per_kv_byte": GOAL_REDIS_MEMORY,
+                                               "engine_ratio": GOAL_RATIO},
+              "ceilings": CEILINGS, "engine_ceilings": ENGINE_CEILINGS, "notes": notes, "results": results}
     write_json(args.json, record)
     _plot(args.plot, results, record)
     return 0
@@ -124,7 +151,8 @@ def _plot(path: str | None, results: list[dict[str, Any]], record: dict[str, Any
     """Bars of each tier's get and put ratio to its raw ceiling, per chunk size."""
     if not path:
         return
-    fig, axes = new_figure(1, 2)
+    sections = [res for res in results if res.get("engine")]
+    fig, axes = new_figure(1, 3 if sections else 2, (16, 4.5) if sections else (11, 4.5))
     for ax, op in zip(axes[0], ("get", "put")):
         labels, values = [], []
         for res in results:
@@ -136,6 +164,16 @@ def _plot(path: str | None, results: list[dict[str, Any]], record: dict[str, Any
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
         ax.set_ylabel(f"{op} GiB/s / raw ceiling")
         ax.set_title(f"{op}: tier throughput relative to its raw ceiling")
+    if sections:
+        ax = axes[0][2]
+        rows = [(res["chunk_tokens"], r) for res in sections for r in res["engine"]["rows"]]
+        ax.bar(range(len(rows)), [r["ratio"] for _, r in rows],
+               color=["tab:blue" if r["op"] == "retrieve" else "tab:orange" for _, r in rows])
+        ax.axhline(GOAL_RATIO, color="0.4", linestyle="--", linewidth=1)
+        labels = [f"{r['tier']}{'' if r['reads'] == '-' else ' ' + r['reads']}\n{r['op']}\n{n} tok" for n, r in rows]
+        ax.set_xticks(range(len(rows)), labels, fontsize=6)
+        ax.set_ylabel("KVCacheEngine GiB/s / raw ceiling")
+        ax.set_title("KVCacheEngine retrieve and store relative to the raw ceiling")
     save_figure(fig, path, record, "bench tiers")
     close_figure(fig)
 
@@ -169,8 +207,27 @@ def _measure_size(args: argparse.Namespace, preset: Any, tokens: int, tiers: lis
                 advance()
     finally:
         batch.close()
+    engine = _engine_rows(args, layout, tokens, [t for t in tiers if t != "redis" or url], folder, url, advance)
     return {"chunk_tokens": tokens, "chunk_bytes": layout.chunk_bytes(tokens), "value_bytes": value,
-            "ceilings_gib_s": ceilings, "tiers": rows}
+            "ceilings_gib_s": ceilings, "tiers": rows, "engine": engine}
+
+
+def _engine_rows(args: argparse.Namespace, layout: KVLayout, chunk_tokens: int, tiers: list[str], folder: str,
+                 url: str | None, advance: Callable[[], None]) -> dict[str, Any] | None:
+    """The ``KVCacheEngine`` rows at this chunk size (None with ``--engine-tokens 0``)."""
+    if not args.engine_tokens:
+        return None
+    import dataclasses
+
+    from kvlayer.benchmarks.tier_engine import PagedSequence, measure_engine
+
+    tokens = max(chunk_tokens, args.engine_tokens // chunk_tokens * chunk_tokens)
+    seq = PagedSequence.random(dataclasses.replace(layout, block_size=BLOCK_SIZE), tokens)
+    rows = []
+    for tier in tiers:
+        rows += measure_engine(tier, seq, chunk_tokens, args.repeat, folder, url)
+        advance()
+    return {"tokens": tokens, "kv_bytes": seq.nbytes, "block_size": BLOCK_SIZE, "rows": rows}
 
 
 def _config(tier: str, batch: Batch, compression: str, folder: str, url: str | None) -> KVLayerConfig:
@@ -243,6 +300,37 @@ def _print(args: argparse.Namespace, results: list[dict[str, Any]], notes: list[
                 cols, rows)
     for note in notes:
         print(f"note: {note}")
+    _print_engine(args, results)
+
+
+def _print_engine(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """The KVCacheEngine table, then one goal line per row."""
+    sections = [(res["chunk_tokens"], res["engine"]) for res in results if res.get("engine")]
+    if not sections:
+        return
+    cols = ["chunk", "tokens", "MiB", "tier", "op", "reads", "ms", "GiB/s", "ceiling", "ceiling ms", "ceiling GiB/s",
+            "ratio"]
+    rows = [[chunk, eng["tokens"], eng["kv_bytes"] / 2**20, r["tier"], r["op"], r["reads"], 1e3 * r["seconds"],
+             r["gib_s"], r["ceiling"], 1e3 * r["ceiling_seconds"], r["ceiling_gib_s"], r["ratio"]]
+            for chunk, eng in sections for r in eng["rows"]]
+    print_table(f"bench tiers: KVCacheEngine retrieve and durable store (store + flush) at random block-table "
+                f"slots, median of {args.repeat}, next to each tier's raw ceiling (goal: ratio >= {GOAL_RATIO})",
+                cols, rows)
+    for line in goal_lines(sections):
+        print(line)
+
+
+def goal_lines(sections: list[tuple[int, dict[str, Any]]]) -> list[str]:
+    """One line per KVCacheEngine row, ``retrieve cpu 0.83 of ceiling (goal >= 0.80): met``; the chunk
+    size is named when there are several."""
+    lines = []
+    for chunk, eng in sections:
+        at = f" ({chunk}-token chunks)" if len(sections) > 1 else ""
+        for r in eng["rows"]:
+            reads = f" {r['reads']}" if r["reads"] != "-" else ""
+            lines.append(f"{r['op']} {r['tier']}{reads}{at} {r['ratio']:.2f} of ceiling (goal >= {GOAL_RATIO:.2f}): "
+                         f"{'met' if r['goal_met'] else 'NOT met'}")
+    return lines
 
 
 @contextlib.contextmanager

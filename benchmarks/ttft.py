@@ -33,7 +33,8 @@ from kvlayer.benchmarks.common import (
     machine_info,
     model_facts,
     new_figure,
-    parse_ints,
+    positive_int,
+    positive_ints,
     print_table,
     progress,
     save_figure,
@@ -47,11 +48,11 @@ LAYERWISE = {"on": (True,), "off": (False,), "both": (True, False)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="256,512,1024,2048,4096",
+    p.add_argument("--lengths", type=positive_ints, default="256,512,1024,2048,4096",
                    help="cached prefix lengths, ascending (also the sweep for the crossover)")
-    p.add_argument("--suffix", type=int, default=32, help="new tokens after the cached prefix")
+    p.add_argument("--suffix", type=positive_int, default=32, help="new tokens after the cached prefix")
     p.add_argument("--partial", action="store_true", help="also measure prompts with half of them cached")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="measure each hit and load this many times and report the median")
     p.add_argument("--layerwise", choices=sorted(LAYERWISE), default="both",
                    help="kvlayer's layer-by-layer loading: on, off, or both compared")
@@ -60,13 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = args.model or default_model(args.home, "bench")
-    lengths = parse_ints(args.lengths)
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    if not lengths or any(b <= a for a, b in zip(lengths, lengths[1:])):
-        raise ValueError(f"--lengths must be ascending, got {args.lengths!r}")
+    lengths = args.lengths
+    if any(b <= a for a, b in zip(lengths, lengths[1:])):
+        raise ValueError(f"--lengths must be ascending, got {','.join(map(str, lengths))}")
     names = parse_configs(args.configs)
+    model = args.model or default_model(args.home, "bench")
     max_len = max(lengths) + args.suffix
     facts = model_facts(model, args.device)
     per_token = facts["kv_bytes_per_token"]

@@ -1,13 +1,14 @@
 """``KVLayerConnector``: drives kvlayer for the bundled engine through the connector interface.
 
 Scheduler side: looks up each new request's chunks (keys cached per request) and tells the
-engine how many prompt tokens it can load; per step it lists the loads (tokens and blocks)
-and the saves (full chunks whose KV this step completes). Worker side (``kvlayer.pipeline``):
-with ``layerwise`` (the default) ``start_load_kv`` starts reading the step's chunks from all
-tiers on a loader thread, which copies them into the cache layer by layer while the forward
-pass runs (``wait_for_layer_load(i)`` waits for layer i only), and ``save_kv_layer`` copies
-each layer of the new chunks out right after its attention; without it, everything is loaded
-before the forward pass and saved after it. ``wait_for_save`` waits for the copies only: the
+engine how many prompt tokens it can load, and remembers which tier holds each chunk; per
+step it lists the loads (tokens, blocks and those tiers) and the saves (full chunks whose KV
+this step completes). Worker side (``kvlayer.pipeline``): a layer-by-layer step
+(``layerwise``, see ``kvlayer.config.LAYERWISE``) has ``start_load_kv`` read the step's chunks
+on a loader thread, which copies them into the cache layer by layer while the forward pass runs
+(``wait_for_layer_load(i)`` waits for layer i only), and ``save_kv_layer`` copies each layer of
+the new chunks out right after its attention; otherwise everything is loaded before the
+forward pass (and, with ``off``, saved after it). ``wait_for_save`` waits for the copies only: the
 lower tiers are written in the background. A failed load is reported through
 ``get_failed_loads`` and recomputed by the engine, and the chunks it left unsaved are saved
 after the recompute; nothing here raises into the engine.
@@ -188,7 +189,7 @@ class KVLayerConnector(KVConnectorBase):
             items = [LoadItem(ld.request_id, ld.keys, ld.sources, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
                      for ld in metadata.loads]
             if items:
-                layerwise = self.config.layerwise
+                layerwise = self._layerwise_load(items)
                 self._load = LoadJob(kv.tiers, kv.chunk_staging, kv.groups, self._caches, items,
                                      self._loader if layerwise else None, self._streams.load if layerwise else None)
         except Exception:  # a bug below must cost a recompute, never the engine
@@ -200,7 +201,7 @@ class KVLayerConnector(KVConnectorBase):
             self._load.wait_layer(layer)
 
     def save_kv_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
-        if self._save is not None and self.config.layerwise:
+        if self._save is not None and self.config.layerwise != "off":
             self._save.layer(layer, kv_cache)
 
     def wait_for_save(self) -> None:
@@ -211,12 +212,23 @@ class KVLayerConnector(KVConnectorBase):
         if save is None:
             return
         try:
-            if not self.config.layerwise:
+            if self.config.layerwise == "off":
                 for layer, cache in enumerate(self._caches):
                     save.layer(layer, cache)
             save.finish(self._failed)
         except Exception:
             log.exception("kvlayer: saving the step's chunks failed")
+
+    def _layerwise_load(self, items: Sequence[LoadItem]) -> bool:
+        """Whether this step loads layer by layer (``kvlayer.config.LAYERWISE``): under ``auto``, on
+        CUDA, or when a chunk comes from a tier that is not in memory (NVMe, Redis)."""
+        mode = self.config.layerwise
+        if mode != "auto":
+            return mode == "on"
+        if self.device.type == "cuda":
+            return True
+        tiers = self.kv.tiers.guarded
+        return any(not tiers[s].in_memory for item in items for s in item.sources)
 
     def _slots(self, block_ids: Sequence[int], end: int) -> torch.Tensor:
         return slot_mapping(block_ids, self.block_size, 0, end, self.device)

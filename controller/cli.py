@@ -37,7 +37,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 # --- kvlayer controller ------------------------------------------------------------------
 def _add_controller(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("controller", help="run the cache controller (gRPC)")
-    c.add_argument("--listen", default=DEFAULT_ADDRESS, help="HOST:PORT to bind (default: %(default)s)")
+    c.add_argument("--listen", type=_listen, default=DEFAULT_ADDRESS,
+                   help="HOST:PORT to bind, port 0..65535 (default: %(default)s)")
     c.add_argument("--admin-token-file", help="admin bearer token (default: $KVLAYER_ADMIN_TOKEN, else none)")
     c.add_argument("--instance-token-file",
                    help="token instances must send (default: $KVLAYER_CONTROLLER_TOKEN, else none)")
@@ -55,12 +56,23 @@ def _add_controller(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_run_controller)
 
 
+def _listen(text: str) -> str:
+    """``--listen``'s ``type=``: a HOST:PORT that ``ControllerSettings`` accepts (the text is kept)."""
+    from kvlayer.controller.settings import parse_listen
+
+    try:
+        parse_listen(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _run_controller(args: argparse.Namespace) -> int:
     import logging
 
     from kvlayer.controller.auth import ADMIN_TOKEN_ENV, INSTANCE_TOKEN_ENV, read_token
     from kvlayer.controller.server import serve
-    from kvlayer.controller.settings import ControllerSettings
+    from kvlayer.controller.settings import ControllerSettings, parse_listen
 
     tokenizers = []
     for item in args.tokenizer:
@@ -75,7 +87,7 @@ def _run_controller(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout, command_timeout_s=args.command_timeout,
         max_tokens=args.max_tokens, max_message_bytes=args.max_message_bytes, tokenizers=tuple(tokenizers))
     logging.getLogger("kvlayer.controller").setLevel(logging.INFO)
-    host = args.listen.rsplit(":", 1)[0].strip("[]")
+    host, _ = parse_listen(args.listen)
     if settings.admin_token is None and host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger(__name__).warning("the admin API on %s has no token: anyone who reaches it can "
                                             "steer the cache (set --admin-token-file)", args.listen)

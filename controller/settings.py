@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
-"""Loopback unless told otherwise (ARCHITECTURE.md section 7)."""
+"""Loopback unless told otherwise (docs/architecture.md section 7)."""
 MiB = 1024 * 1024
 
 
@@ -42,8 +42,7 @@ class ControllerSettings:
     tokenizers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.listen or ":" not in self.listen:
-            raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
+        parse_listen(self.listen)
         for name in ("admin_token", "instance_token"):
             token = getattr(self, name)
             if token is not None and (not token or any(c.isspace() for c in token)):
@@ -72,3 +71,17 @@ class ControllerSettings:
     def tls(self) -> bool:
         """Whether the port is TLS."""
         return self.tls_cert is not None
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``HOST:PORT`` to bind (``[::1]:50051`` for IPv6; port 0: any free
+    one). ValueError naming ``listen`` for a missing host, or a port that is not in 0..65535
+    (grpc would take 99999 modulo 65536)."""
+    host, sep, port = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or any(c.isspace() for c in listen):
+        raise ValueError(f"listen must be HOST:PORT, got {listen!r}")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen port must be 0..65535 (0: any free port), got {port!r} in {listen!r}")
+    return host, int(port)

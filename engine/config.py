@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlayer.devices import parse_device
 from kvlayer.sizes import parse_size
+
+__all__ = ["EngineConfig", "parse_device", "parse_engine_dtype"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
@@ -30,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        parse_device(self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -16,7 +16,13 @@ import torch
 
 from kvlayer.connectors.base import KVConnectorBase, KVConnectorContext, ScheduledRequest, SchedulerOutput
 from kvlayer.engine.block_manager import BlockManager
-from kvlayer.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, parse_engine_dtype, parse_memory
+from kvlayer.engine.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    EngineConfig,
+    parse_device,
+    parse_engine_dtype,
+    parse_memory,
+)
 from kvlayer.engine.loader import load_model, model_fingerprint
 from kvlayer.engine.model_config import load_model_config
 from kvlayer.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -237,7 +243,8 @@ class LLMEngine:
 class LLM:
     """vLLM-shaped entry point: ``LLM(model=PATH).generate(prompts, SamplingParams(...))``.
 
-    ``device`` "cpu" or "cuda"; ``dtype`` "float32" | "bfloat16" | "float16" (default: the
+    ``device`` "cpu", "cuda" or "cuda:N" (ValueError naming it when this torch build or machine
+    has no such device); ``dtype`` "float32" | "bfloat16" | "float16" (default: the
     model's, float32 on CPU); the KV cache holds ``num_gpu_blocks`` blocks or as many as fit
     ``kv_cache_memory`` (e.g. "2GiB"; default 1GiB). ``kv_connector`` plugs in a connector
     object; ``kv_config`` (a path to YAML, a dict or a ``KVLayerConfig``) enables kvlayer.
@@ -248,7 +255,7 @@ class LLM:
                  kv_cache_memory: int | str | None = None, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
                  kv_connector: KVConnectorBase | None = None, kv_config: Any = None) -> None:
-        dev = torch.device(device)
+        dev = parse_device(device)
         default_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
         config = EngineConfig(model=str(model), device=dev, dtype=parse_engine_dtype(dtype, default_dtype),
                               block_size=block_size, num_gpu_blocks=num_gpu_blocks,

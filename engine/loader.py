@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvlayer.engine.model import CausalLM
 from kvlayer.engine.model_config import ModelConfig, load_model_config
@@ -25,8 +25,9 @@ _SAMPLES = 16
 _SAMPLE_BYTES = 64 * 1024
 
 
-class ModelLoadError(RuntimeError):
-    """A checkpoint that does not match its config; the message names the tensor or file."""
+class ModelLoadError(ValueError):
+    """A checkpoint that does not match its config, or a corrupt or truncated file; the message
+    names the tensor or file. A ValueError: the model folder given is bad input."""
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -63,8 +64,9 @@ def load_model(
     """Build the model of folder ``path`` in ``dtype`` on ``device`` and load its weights.
 
     Raises ``ModelConfigError`` for a bad config and ``ModelLoadError`` naming the first
-    missing, unexpected or wrongly shaped tensor. ``rotary_emb.inv_freq`` buffers are ignored,
-    and so is an ``lm_head.weight`` saved beside tied embeddings.
+    missing, unexpected or wrongly shaped tensor, or the file that is corrupt or truncated.
+    ``rotary_emb.inv_freq`` buffers are ignored, and so is an ``lm_head.weight`` saved beside
+    tied embeddings.
     """
     config = load_model_config(path)
     model = CausalLM(config, dtype, device)
@@ -72,27 +74,34 @@ def load_model(
     expected = {name: tuple(tensor.shape) for name, tensor in params.items()}
     seen: set[str] = set()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tied_head = config.tie_word_embeddings and name == "lm_head.weight"
-                if name.endswith(_IGNORED_SUFFIXES) or tied_head:
-                    continue
-                if name not in expected:
-                    raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
-                if name in seen:
-                    raise ModelLoadError(f"tensor {name!r} appears twice (again in {file.name})")
-                shape = tuple(reader.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise ModelLoadError(
-                        f"tensor {name!r} in {file.name} has shape {shape}, expected {expected[name]}"
-                    )
-                params[name].copy_(reader.get_tensor(name))
-                seen.add(name)
+        try:
+            _load_file(file, config, params, expected, seen)
+        except SafetensorError as error:  # its message names no file
+            raise ModelLoadError(f"{str(file)!r} is corrupt or truncated: {error}") from None
     missing = [name for name in expected if name not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"tensor {missing[0]!r} is missing from the checkpoint{more}")
     return model, config
+
+
+def _load_file(file: Path, config: ModelConfig, params: dict[str, torch.Tensor],
+               expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
+    """Copy the tensors of one safetensors ``file`` into ``params``, adding their names to ``seen``."""
+    with safe_open(str(file), framework="pt", device="cpu") as reader:
+        for name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+            tied_head = config.tie_word_embeddings and name == "lm_head.weight"
+            if name.endswith(_IGNORED_SUFFIXES) or tied_head:
+                continue
+            if name not in expected:
+                raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
+            if name in seen:
+                raise ModelLoadError(f"tensor {name!r} appears twice (again in {file.name})")
+            shape = tuple(reader.get_slice(name).get_shape())
+            if shape != expected[name]:
+                raise ModelLoadError(f"tensor {name!r} in {file.name} has shape {shape}, expected {expected[name]}")
+            params[name].copy_(reader.get_tensor(name))
+            seen.add(name)
 
 
 def model_fingerprint(path: str | Path) -> str:
@@ -105,11 +114,15 @@ def model_fingerprint(path: str | Path) -> str:
         raise ModelLoadError(f"config.json is missing from model folder {str(folder)!r}")
     _update(digest, b"config.json", config.read_bytes())
     for file in checkpoint_files(folder):
+        size = file.stat().st_size
         with file.open("rb") as stream:
-            header_len = struct.unpack("<Q", stream.read(8))[0]
+            head = stream.read(8)
+            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            if 8 + header_len > size:
+                raise ModelLoadError(f"{str(file)!r} is corrupt or truncated: its header runs past the end of the file")
             _update(digest, file.name.encode(), stream.read(header_len))
             data_start = 8 + header_len
-            data_len = file.stat().st_size - data_start
+            data_len = size - data_start
             for offset in _sample_offsets(data_len):
                 stream.seek(data_start + offset)
                 _update(digest, offset.to_bytes(8, "little"), stream.read(_SAMPLE_BYTES))

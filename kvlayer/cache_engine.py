@@ -20,6 +20,7 @@ import torch
 
 from kvlayer import tier_admin
 from kvlayer.config import KVLayerConfig
+from kvlayer.devices import parse_device
 from kvlayer.exporter import expose, withdraw
 from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
@@ -53,7 +54,7 @@ class KVCacheEngine:
                  backends: Sequence[StorageBackend] | None = None) -> None:
         self.config = KVLayerConfig.load(config)
         self.layout = layout
-        self.device = torch.device(device)
+        self.device = parse_device(device)
         self.namespace = Namespace(model_name, model_fingerprint, layout, self.config.chunk_size,
                                    tp_rank, tp_size, self.config.cache_salt)
         self.instance_id = self.config.instance_id or f"{os.uname().nodename}-{os.getpid()}"

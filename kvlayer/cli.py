@@ -1,22 +1,46 @@
-"""The ``kvlayer`` command line: ``kvlayer model init``, ``kvlayer demo``, ``kvlayer bench ...``.
+"""The ``kvlayer`` command line: ``kvlayer model init``, ``kvlayer demo``, ``kvlayer config``,
+``kvlayer bench ...``, ``kvlayer controller``, ``kvlayer admin ...``.
 
 This module is the composition root: each subcommand imports the parts it wires together
 when it runs, so ``kvlayer --help`` stays fast and needs no optional dependency.
+
+Errors are one line on stderr and exit 2: a bad flag (checked while parsing, before any model
+is made or engine built), a bad config value or file, an unusable model folder or device.
+``KVLAYER_LOG_LEVEL`` (debug, info, warning, error; default warning, ``-v`` = info) sets the
+log level; ``KVLAYER_SMOKE=1`` shrinks the documented benchmark commands (see ``SMOKE``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from kvlayer.config import KVLayerConfig
 
 Handler = Callable[[argparse.Namespace], int]
-BAD_FILE_ERRORS: tuple[type[OSError], ...] = (FileNotFoundError, PermissionError, IsADirectoryError,
-                                              NotADirectoryError)
-"""A file named on the command line (a token, tokens or config file) that cannot be read: a bad
-argument (one line, exit 2), not a crash."""
+BAD_FILE_ERRORS: tuple[type[OSError], ...] = (FileNotFoundError, FileExistsError, PermissionError,
+                                              IsADirectoryError, NotADirectoryError)
+"""A file named on the command line (a token, tokens or config file, a model folder to write)
+that cannot be read or written: a bad argument (one line, exit 2), not a crash."""
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class UsageError(Exception):
+    """A bad command line: the one line ``main`` prints (``PROG: error: MESSAGE``) before exiting 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but an error is one line (no usage block), raised for ``main`` to print;
+    subcommand parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message}")
 
 
 def _model_init(args: argparse.Namespace) -> int:
@@ -38,8 +62,74 @@ def _config(args: argparse.Namespace) -> int:
 
     from kvlayer.config import KVLayerConfig
 
-    print(yaml.safe_dump(KVLayerConfig.load(args.file).to_dict(), sort_keys=False), end="")
-    return 0
+    config = KVLayerConfig.load(args.file)
+    if args.show or not args.check:
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+    if not args.check:
+        return 0
+    problems = [p for p in (_check_nvme(config.nvme_path), _check_redis(config)) if p]
+    for problem in problems:
+        print(f"kvlayer: error: {problem}", file=sys.stderr)
+    if not problems:
+        tried = [name for name in ("nvme_path", "redis_url") if getattr(config, name)]
+        print(f"kvlayer config: {' and '.join(tried)} usable" if tried else "kvlayer config: no nvme_path or "
+              "redis_url to try")
+    return 2 if problems else 0
+
+
+def _check_nvme(path: str | None) -> str | None:
+    """Why the NVMe tier cannot use folder ``path`` (None: it can, or it is unset). Makes the
+    folder if missing (as the tier would), writes, syncs and removes a probe file in it, and
+    removes the folders it made."""
+    from pathlib import Path
+
+    if not path:
+        return None
+    root = Path(path).expanduser().absolute()
+    made = [p for p in (root, *root.parents) if not p.exists()]
+    try:
+        if root.exists() and not root.is_dir():
+            return f"nvme_path {path!r} is not a folder"
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".kvlayer-probe-{os.getpid()}"
+        try:
+            with probe.open("wb") as f:
+                f.write(bytes(4096))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(root) else ""
+        return f"nvme_path {path!r} is not usable: {e.strerror or e}{where}"
+    finally:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return None
+
+
+def _check_redis(config: KVLayerConfig) -> str | None:
+    """Why ``redis_url`` does not answer a PING within ``tier_timeout_ms`` (None: it does, or it is unset)."""
+    if not config.redis_url:
+        return None
+    from redis.exceptions import RedisClusterException, RedisError
+
+    from kvlayer.backends.redis import RedisSettings
+    from kvlayer.backends.redis_clients import sync_client
+
+    settings = RedisSettings(config.redis_url, cluster=config.redis_cluster, timeout_s=config.tier_timeout_ms / 1000)
+    client = None
+    try:
+        client = sync_client(settings)  # a cluster client connects here already
+        client.ping()
+    except (RedisError, RedisClusterException, OSError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        return f"redis_url: PING failed (tier_timeout_ms {config.tier_timeout_ms}): {reason}"
+    finally:
+        if client is not None:
+            client.close()
+    return None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -50,9 +140,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvlayer.benchmarks.common import device_name, positive_int
+
     home = os.environ.get("KVLAYER_HOME", ".kvlayer")
-    p = argparse.ArgumentParser(prog="kvlayer", description="kvlayer: a tiered KV cache layer for LLM inference")
+    p = _Parser(prog="kvlayer", description="kvlayer: a tiered KV cache layer for LLM inference",
+                epilog="environment: KVLAYER_HOME (models and caches, default .kvlayer), KVLAYER_LOG_LEVEL "
+                       "(debug, info, warning, error), KVLAYER_* config keys (see kvlayer config)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=f"kvlayer {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
@@ -65,16 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=_model_init)
 
     demo = sub.add_parser("demo", help="a multi-turn chat through the engine, with and without kvlayer")
-    demo.add_argument("--model", help="model folder (default: a random 'small' model made once)")
+    demo.add_argument("--model", help="model folder (default: a random 'bench' model made once)")
     demo.add_argument("--home", default=home, help="where made models and the disk cache live")
-    demo.add_argument("--device", default="cpu")
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--kv-config", help="kvlayer YAML config (default: CPU + disk tiers under --home)")
+    demo.add_argument("--device", type=device_name, default="cpu")
+    demo.add_argument("--turns", type=positive_int, default=4)
+    demo.add_argument("--kv-config", type=_config_file,
+                      help="kvlayer YAML config (default: CPU + disk tiers under --home)")
     demo.set_defaults(func=_demo)
 
-    config = sub.add_parser("config", help="print the kvlayer configuration in effect (file + KVLAYER_* variables)")
+    config = sub.add_parser("config", help="print (or --check) the kvlayer configuration in effect "
+                                           "(file + KVLAYER_* variables)")
     config.add_argument("--file", help="a kvlayer YAML config (default: the defaults)")
-    config.add_argument("--show", action="store_true", help="print it (the default action)")
+    config.add_argument("--show", action="store_true", help="print it (the default, unless --check alone)")
+    config.add_argument("--check", action="store_true",
+                        help="try its nvme_path (write and remove a probe file) and redis_url (a PING within "
+                             "tier_timeout_ms); exit 2 with one line per problem")
     config.set_defaults(func=_config)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -91,11 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench(sub: argparse._SubParsersAction, name: str, module: str, help_: str, home: str) -> None:
     import importlib
 
+    from kvlayer.benchmarks.common import device_name, output_path
+
     b = sub.add_parser(name, help=help_)
     b.add_argument("--model", help="model folder (default: a random 'bench' model made once)")
     b.add_argument("--home", default=home)
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--json", help="also write the results as JSON to this path")
+    b.add_argument("--device", type=device_name, default="cpu")
+    b.add_argument("--json", type=output_path, help="also write the results as JSON to this path")
     b.set_defaults(func=_bench, bench_module=module)
     importlib.import_module(f"kvlayer.benchmarks.{module}").add_arguments(b)
 
@@ -113,27 +215,58 @@ SMOKE: dict[str, list[str]] = {
 ``--model`` is given): the documented commands, run by the docs test at a size CI affords."""
 
 
-def _smoke(argv: list[str]) -> list[str]:
-    if os.environ.get("KVLAYER_SMOKE") != "1" or len(argv) < 2 or argv[0] != "bench" or argv[1] not in SMOKE:
-        return argv
-    extra = list(SMOKE[argv[1]])
-    if "--model" not in argv and "-h" not in argv and "--help" not in argv:
-        from kvlayer.benchmarks.common import default_model
-
-        home = argv[argv.index("--home") + 1] if "--home" in argv else os.environ.get("KVLAYER_HOME", ".kvlayer")
-        extra += ["--model", default_model(home, "tiny")]
-    return [*argv, *extra]
+def _smoking(argv: list[str]) -> bool:
+    return os.environ.get("KVLAYER_SMOKE") == "1" and len(argv) >= 2 and argv[0] == "bench" and argv[1] in SMOKE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(_smoke(list(sys.argv[1:] if argv is None else argv)))
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    words = list(sys.argv[1:] if argv is None else argv)
+    smoke = _smoking(words)
     try:
+        args = build_parser().parse_args([*words, *SMOKE[words[1]]] if smoke else words)
+        level = logging.INFO if args.verbose else _log_level(os.environ.get("KVLAYER_LOG_LEVEL", "warning"))
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if smoke and args.model is None:  # made once the flags are known to be good
+            from kvlayer.benchmarks.common import default_model
+
+            args = argparse.Namespace(**{**vars(args), "model": default_model(args.home, "tiny")})
         return args.func(args)
     except (ValueError, *BAD_FILE_ERRORS) as e:
         print(f"kvlayer: error: {e}", file=sys.stderr)
         return 2
+
+
+# ----- flag values checked while parsing ---------------------------------------------------
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvlayer")
+    except PackageNotFoundError:
+        return "(not installed: no package metadata)"
+
+
+def _log_level(name: str) -> int:
+    try:
+        return LOG_LEVELS[name.strip().lower()]
+    except KeyError:
+        raise UsageError(f"kvlayer: error: KVLAYER_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, "
+                         f"got {name!r}") from None
+
+
+def _config_file(text: str) -> str:
+    """A kvlayer YAML config that loads (the text is kept)."""
+    from kvlayer.config import KVLayerConfig
+
+    try:
+        KVLayerConfig.load(text)
+    except (ValueError, *BAD_FILE_ERRORS) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""``KVLayerConfig``: the one typed, validated, frozen configuration (ARCHITECTURE.md section 8).
+"""``KVLayerConfig``: the one typed, validated, frozen configuration (docs/architecture.md section 8).
 
 Sources, later ones overriding earlier ones: defaults < a YAML file or a dict < ``KVLAYER_*``
-environment variables (``KVLAYER_CPU_CAPACITY=4GiB``). An unknown key or a bad value raises
-``ConfigError`` naming it.
+environment variables (``KVLAYER_CPU_CAPACITY=4GiB``). An unknown key, a bad value or a
+malformed YAML file raises ``ConfigError`` naming it, in one line.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class KVLayerConfig:
     compression: str = "none"
     save_decode_cache: bool = False
     save_partial_chunks: bool = False
-    layerwise: bool = True
+    layerwise: str = "auto"
+    """``auto``, ``on`` or ``off`` (booleans mean on/off): see ``LAYERWISE``."""
     staging_capacity: int = 512 * 1024**2
     tier_timeout_ms: int = 2000
     unhealthy_after: int = 3
@@ -94,8 +95,12 @@ class KVLayerConfig:
     def from_yaml(cls, path: str | os.PathLike[str]) -> KVLayerConfig:
         import yaml
 
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: malformed YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of kvlayer keys at the top level")
         return cls.from_dict(data)
@@ -143,6 +148,13 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
 
 _NOT_CONFIG = {"KVLAYER_ADMIN_TOKEN", "KVLAYER_HOME", "KVLAYER_LOG_LEVEL", "KVLAYER_SMOKE"}
 _SIZE_KEYS = {"gpu_capacity", "cpu_capacity", "nvme_capacity", "staging_capacity"}
+LAYERWISE = ("auto", "on", "off")
+"""How loads reach the paged cache: ``on``, layer by layer on a loader thread while the forward
+pass runs; ``off``, all of it before the forward pass; ``auto`` (the default), layer by layer on
+CUDA and for steps that read NVMe or Redis, all at once for steps whose chunks are all in a CPU
+memory tier (on the CPU a loader thread only competes with compute there: docs/benchmarks.md).
+Saves copy layer by layer unless ``off``."""
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -155,9 +167,14 @@ def _coerce(name: str, type_: Any, value: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"{name} must not be empty")
-    try:
-        if name in _SIZE_KEYS:
+    if name == "layerwise":
+        return _layerwise(value)
+    if name in _SIZE_KEYS:
+        try:
             return parse_size(value)
+        except ValueError as e:  # its message says what is wrong: keep it
+            raise ConfigError(f"invalid value for {name}: {e}") from None
+    try:
         if t.startswith("bool"):
             if isinstance(value, bool):
                 return value
@@ -177,5 +194,23 @@ def _coerce(name: str, type_: Any, value: Any) -> Any:
     return value
 
 
+def _layerwise(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).lower() if isinstance(value, str) else ""
+    if text in LAYERWISE:
+        return text
+    if text in _TRUE | _FALSE:
+        return "on" if text in _TRUE else "off"
+    raise ConfigError(f"invalid value for layerwise: {value!r} (expected one of {LAYERWISE}, or a boolean)")
+
+
 def _bad() -> Any:
     raise ValueError
+
+
+def _yaml_problem(error: Exception) -> str:
+    """One line out of a PyYAML error (whose own text spans several): the problem and where."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).strip().splitlines()[0]
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem

@@ -6,9 +6,9 @@ import torch
 
 
 def parse_device(device: str | torch.device) -> torch.device:
-    """``device`` as a ``torch.device`` kvlayer and the engine can run on: the CPU, or a CUDA GPU this torch
-    build and machine have. ValueError naming the device otherwise (torch itself would fail
-    later with an AssertionError, or a RuntimeError about the string)."""
+    """``device`` as a ``torch.device`` kvlayer and the engine can run on: the CPU, or a CUDA GPU
+    this torch build and machine have. ValueError naming the device otherwise (torch itself
+    would fail later with an AssertionError, or a RuntimeError about the string)."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

@@ -74,3 +74,60 @@ def test_every_command_in_the_docs_runs(doc: Path, tmp_path: Path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, f"{doc.name}: a documented command failed:\n{out[-4000:]}"
+
+
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)
+
+
+def test_the_readmes_engine_agnostic_snippet_runs_as_written():
+    (snippet,) = [b for b in python_blocks(ROOT / "README.md") if "KVCacheEngine(" in b]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAYER_")}
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "512\n"
+
+
+def test_documented_config_commands_are_the_real_cli():
+    """Every ``kvlayer config ...`` the README and docs/configuration.md show parses, and both
+    show the same flags."""
+    import shlex
+
+    from kvlayer.cli import build_parser
+
+    flags = {}
+    for name in ("README.md", "docs/configuration.md"):
+        commands = re.findall(r"kvlayer config\b[^`\n]*", (ROOT / name).read_text())
+        assert commands, name
+        for command in commands:
+            argv = [w for w in shlex.split(command) if "=" not in w][1:]
+            assert build_parser().parse_args(argv).func.__name__ == "_config", command
+        flags[name] = {w for c in commands for w in c.split() if w.startswith("--")}
+    assert {"--file", "--show"} <= flags["README.md"] & flags["docs/configuration.md"]
+    assert "--check" in flags["docs/configuration.md"] and "`--check`" in (ROOT / "README.md").read_text()
+
+
+def test_every_kvlayer_variable_that_is_not_a_config_key_is_documented():
+    from kvlayer.config import _NOT_CONFIG
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for name in _NOT_CONFIG:
+        assert f"`{name}" in text, f"docs/configuration.md lacks {name}"
+    for name in ("KVLAYER_HOME", "KVLAYER_LOG_LEVEL", "KVLAYER_SMOKE", "kvlayer demo", "kvlayer --version"):
+        assert name in readme, f"README.md lacks {name}"
+
+
+def test_the_readme_says_how_the_headline_figures_were_measured():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    headline = text[text.index("55x faster") - 200:text.index("55x faster") + 100]
+    for condition in ("random-weight", "float32", "2 CPU cores"):
+        assert condition in headline, condition
+
+
+def test_the_readme_set_up_is_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Two commands"):readme.index("## Using it")]
+    (block,) = BLOCK.findall(section)
+    assert len([line for line in block.splitlines() if line.strip() and not line.startswith("#")]) == 2

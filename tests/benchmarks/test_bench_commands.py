@@ -216,7 +216,7 @@ def test_engine_compares_prefill_and_decode_with_transformers(tiny_model_dir, tm
     rec, printed = _run(tmp_path, capsys, "engine", "--model", tiny_model_dir, "--lengths", "32,64",
                         "--decode-seqs", "2", "--decode-prompt", "16", "--decode-tokens", "4", "--repeat", "3")
     _check_record(rec, tiny_model_dir)
-    assert rec["settings"]["lengths"] == "32,64" and rec["settings"]["no_hf"] is False
+    assert rec["settings"]["lengths"] == [32, 64] and rec["settings"]["no_hf"] is False
     assert [p["tokens"] for p in rec["prefill"]] == [32, 64]
     for p in rec["prefill"]:
         assert len(p["ours_runs_s"]) == len(p["hf_runs_s"]) == 3

@@ -124,3 +124,31 @@ def test_capacity_and_references(tiny_model_dir):
     assert conn.kv.staging.used_count == 0, "staging memory leaked"
     assert tier_stat(llm, "cpu", "evictions") > 0
     llm.close()
+
+
+@pytest.mark.parametrize("mode, kv, layerwise", [
+    ("auto", {"cpu_capacity": "4MiB"}, [False]),  # chunks in memory: copied before the forward pass
+    ("auto", {"cpu_capacity": 0, "nvme_path": "{tmp}"}, [True]),  # read from disk: layer by layer
+    ("on", {"cpu_capacity": "4MiB"}, [True]),
+    ("off", {"cpu_capacity": 0, "nvme_path": "{tmp}"}, [False]),
+])
+def test_layerwise_auto_streams_only_loads_from_lower_tiers(tiny_model_dir, tmp_path, monkeypatch, mode, kv,
+                                                             layerwise):
+    import kvlayer.connectors.kvlayer_connector as connector
+
+    seen: list[bool] = []
+    real = connector.LoadJob
+
+    def recording(*args, **kw):
+        seen.append(args[5] is not None)  # the loader executor: layer by layer
+        return real(*args, **kw)
+
+    monkeypatch.setattr(connector, "LoadJob", recording)
+    cfg = {k: (str(tmp_path) if v == "{tmp}" else v) for k, v in kv.items()}
+    llm = make(tiny_model_dir, {"chunk_size": C, "layerwise": mode, **cfg})
+    prompt = {"prompt_token_ids": conversation(1)[0] * 2}
+    first = llm.generate([prompt], GREEDY)[0]
+    llm.engine.connector.kv.flush()
+    second = llm.generate([prompt], GREEDY)[0]
+    assert second.num_external_tokens > 0 and second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert seen == layerwise

@@ -9,9 +9,8 @@ import threading
 import grpc
 import pytest
 
-from kvlayer.controller import best_instance
 from kvlayer.controller import controller_pb2 as pb
-from kvlayer.controller.client import AdminClient, ControllerError
+from kvlayer.controller.client import AdminClient, ControllerError, best_instance
 from tests.controller.harness import (
     MODEL,
     ServerThread,

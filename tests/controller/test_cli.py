@@ -11,7 +11,7 @@ import pytest
 
 from kvlayer.cli import build_parser, main
 from kvlayer.controller.client import AdminClient
-from kvlayer.controller.settings import DEFAULT_LISTEN
+from kvlayer.controller.settings import DEFAULT_LISTEN, ControllerSettings, parse_listen
 from tests.controller.fleet import ROOT
 from tests.controller.harness import MODEL, ServerThread, connect, make_kv, store_tokens, wait_until
 
@@ -123,3 +123,22 @@ def test_the_entry_point_in_a_process(controller):
 
 def test_the_controller_binds_loopback_unless_told_otherwise():
     assert build_parser().parse_args(["controller"]).listen == DEFAULT_LISTEN == "127.0.0.1:50051"
+
+
+@pytest.mark.parametrize(("listen", "says"), [
+    ("127.0.0.1:99999", "port must be 0..65535"), ("127.0.0.1:65536", "port must be 0..65535"),
+    ("127.0.0.1:-1", "port must be 0..65535"), ("127.0.0.1:http", "port must be 0..65535"),
+    (":50051", "HOST:PORT"), ("127.0.0.1", "HOST:PORT"),
+])
+def test_a_bad_listen_address_is_one_line_and_exit_2(listen, says, capsys):
+    assert main(["controller", "--listen", listen]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvlayer controller: error: argument --listen: ") and says in err
+    with pytest.raises(ValueError, match=says):
+        ControllerSettings(listen=listen)
+
+
+def test_listen_addresses_parse_to_host_and_port():
+    assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert parse_listen("[::1]:65535") == ("::1", 65535)
+    assert parse_listen("0.0.0.0:50051") == ("0.0.0.0", 50051)

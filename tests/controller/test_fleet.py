@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlayer.controller import best_instance
-from kvlayer.controller.client import AdminClient
+from kvlayer.controller.client import AdminClient, best_instance
 from tests.controller.fleet import UP, C, prompt, really_holds, running_fleet, settled
 from tests.controller.harness import wait_until
 

@@ -114,3 +114,26 @@ def test_bad_prompts_are_clear_errors(llm, prompt, match):
 def test_missing_model_folder(tmp_path):
     with pytest.raises(Exception, match="config.json|not found|does not exist|no such"):
         LLM(str(tmp_path / "nope"))
+
+
+def test_an_unavailable_device_is_a_value_error_naming_it(tiny_model_dir, monkeypatch):
+    import torch
+
+    from kvlayer.engine.config import parse_device
+
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        LLM(tiny_model_dir, device="gpu")
+    with pytest.raises(ValueError, match="'mps' is not supported"):
+        parse_device("mps")
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)  # a CPU-only torch build
+    with pytest.raises(ValueError, match="device 'cuda' is not available: this torch build has no CUDA"):
+        LLM(tiny_model_dir, device="cuda")
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda:0' is not available: no CUDA GPU is visible"):
+        parse_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device 'cuda:1' is not available: 1 CUDA GPU\(s\) visible"):
+        parse_device("cuda:1")
+    assert parse_device("cuda:0") == torch.device("cuda", 0) and parse_device("cpu") == torch.device("cpu")

@@ -131,3 +131,19 @@ def test_fingerprint_samples_huge_files_quickly(tmp_path: Path) -> None:
         stream.seek(8 + len(header) + size - 100)
         stream.write(b"\x01")
     assert model_fingerprint(tmp_path) != before
+
+
+@pytest.mark.parametrize("keep", [0.5, 100, 3], ids=["half", "header-cut", "length-cut"])
+def test_a_truncated_checkpoint_names_the_file_and_says_it_is_corrupt(
+    tiny_model_dir: Path, tmp_path: Path, keep: float
+) -> None:
+    folder = copy_model(tiny_model_dir, tmp_path / "m")
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep) if keep < 1 else int(keep)])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors' is corrupt or truncated") as e:
+        load_model(folder, torch.float32, "cpu")
+    assert str(file) in str(e.value) and isinstance(e.value, ValueError)
+    if keep >= 1:  # the header itself is cut: the fingerprint cannot be taken either
+        with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+            model_fingerprint(folder)

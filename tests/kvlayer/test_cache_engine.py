@@ -112,3 +112,11 @@ def test_metrics_port_serves_prometheus_text(tmp_path):
     with pytest.raises(ConfigError, match="metrics_port"):
         KVCacheEngine({"metrics_port": 70000}, LAYOUT)
 
+
+
+def test_a_device_this_machine_lacks_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda' is not available"):
+        KVCacheEngine({"chunk_size": 8, "cpu_capacity": "1MiB"}, LAYOUT, device="cuda")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        KVCacheEngine({"chunk_size": 8}, LAYOUT, device="gpu")

@@ -31,7 +31,9 @@ def test_format_size() -> None:
 def test_sizes_and_strings_are_converted_on_construction() -> None:
     cfg = KVLayerConfig(cpu_capacity="2GiB", gpu_capacity="64MiB", chunk_size="128", layerwise="false")
     assert cfg.cpu_capacity == 2 * 1024**3 and cfg.gpu_capacity == 64 * 1024**2
-    assert cfg.chunk_size == 128 and cfg.layerwise is False
+    assert cfg.chunk_size == 128 and cfg.layerwise == "off"
+    assert KVLayerConfig().layerwise == "auto" and KVLayerConfig(layerwise=True).layerwise == "on"
+    assert KVLayerConfig(layerwise="OFF").layerwise == "off"
     assert KVLayerConfig(nvme_path="none").nvme_path is None
 
 
@@ -89,3 +91,31 @@ def test_backoff_settings_are_checked() -> None:
     for bad in ({"unhealthy_backoff_ms": 0}, {"unhealthy_backoff_ms": 40_000}, {"unhealthy_backoff_max_ms": 10}):
         with pytest.raises(ConfigError, match="unhealthy_backoff"):
             KVLayerConfig(**bad)
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    (-5, "a size must be >= 0, got -5"), ("-5GiB", "a size must be >= 0, got '-5GiB'"),
+    ("12XB", "not a size: '12XB' (unknown unit 'XB'"), ("lots", "not a size: 'lots'"),
+])
+def test_a_bad_size_keeps_the_size_parsers_message_and_names_the_key(value, says) -> None:
+    with pytest.raises(ConfigError) as e:
+        KVLayerConfig.from_dict({"cpu_capacity": value})
+    assert str(e.value).startswith("invalid value for cpu_capacity: ") and says in str(e.value)
+    with pytest.raises(ConfigError) as e:  # from the environment, the value is a string
+        KVLayerConfig.load({}, env={"KVLAYER_CPU_CAPACITY": str(value)})
+    assert str(e.value).startswith("invalid value for cpu_capacity: ") and "size" in str(e.value)
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("cpu_capacity: [1\n", "line 2, column 1"), ("a: b: c\n", "line 1, column 5"),
+])
+def test_malformed_yaml_is_one_line_naming_the_file_and_the_place(tmp_path, text, where) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        KVLayerConfig.from_yaml(path)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{path}: malformed YAML: ") and where in message
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        KVLayerConfig.from_yaml(path)
