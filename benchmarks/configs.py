@@ -161,7 +161,7 @@ class ConfigFactory:
             return [n for n in names if n != "redis"]
         return names
 
-    def build(self, name: str, layerwise: bool | str = "auto", label: str | None = None) -> BenchConfig:
+    def build(self, name: str, layerwise: bool | str = "on", label: str | None = None) -> BenchConfig:
         """A fresh configuration: kvlayer ones get an empty NVMe folder and their own Redis keys."""
         if name in BASELINES:
             return BenchConfig(name, label or name, BASELINES[name], None)

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queries", type=positive_int, default=3, help="queries per document (the first one is a miss)")
     p.add_argument("--question-tokens", type=positive_int, default=32)
     p.add_argument("--answer-tokens", type=positive_int, default=8)
-    p.add_argument("--layerwise", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--layerwise", choices=("auto", "on", "off"), default="on",
                    help="kvlayer's layer-by-layer loading (the config key layerwise)")
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p, "recompute,engine,cpu,cpu+nvme,nvme,redis", cpu_capacity="auto")

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sim: simulated clock from measured step times; real: wall time")
     p.add_argument("--engine-kv-tokens", type=nonnegative_int, default=0,
                    help="engine KV capacity in tokens (default: just the largest request)")
-    p.add_argument("--layerwise", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--layerwise", choices=("auto", "on", "off"), default="on",
                    help="kvlayer's layer-by-layer loading (the config key layerwise)")
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p, "recompute,engine,cpu,cpu+nvme,nvme,redis", cpu_capacity="auto")

@@ -45,7 +45,12 @@ class KVCacheEngine:
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer in ``layout.dtype``.
     ``model_name``/``model_fingerprint`` and the TP rank enter every key's namespace, so
     chunks of another model, dtype, layout or tenant never match. ``backends`` overrides the
-    tiers built from the config (tests, custom tiers).
+    tiers built from the config (tests, custom tiers). ``ValueError`` for a device this
+    machine lacks, ``ConfigError`` for a bad setting.
+
+    What an engine adapter builds its own ``LoadJob``/``SaveJob`` over: ``tiers`` (the
+    ``TierManager``), ``chunk_staging`` (the ``Staging``; ``staging`` is its arena) and
+    ``groups`` (the layer groups lower tiers' reads arrive in).
     """
 
     def __init__(self, config: KVLayerConfig | dict[str, Any] | str | os.PathLike[str] | None,
@@ -66,7 +71,6 @@ class KVCacheEngine:
         self.loop = IOLoop()
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
         self.groups = layer_groups(layout.num_layers, layout.chunk_bytes(self.config.chunk_size) // layout.num_layers)
-        """The layer groups lower tiers' reads arrive in (``kvlayer.read_plan``)."""
         self.tiers.warm_up()
         self._exposed = bool(self.config.metrics_port) and expose(
             self.metrics, self.config.metrics_host, self.config.metrics_port)

@@ -32,8 +32,8 @@ def test_sizes_and_strings_are_converted_on_construction() -> None:
     cfg = KVLayerConfig(cpu_capacity="2GiB", gpu_capacity="64MiB", chunk_size="128", layerwise="false")
     assert cfg.cpu_capacity == 2 * 1024**3 and cfg.gpu_capacity == 64 * 1024**2
     assert cfg.chunk_size == 128 and cfg.layerwise == "off"
-    assert KVLayerConfig().layerwise == "auto" and KVLayerConfig(layerwise=True).layerwise == "on"
-    assert KVLayerConfig(layerwise="OFF").layerwise == "off"
+    assert KVLayerConfig().layerwise == "on" and KVLayerConfig(layerwise=False).layerwise == "off"
+    assert KVLayerConfig(layerwise="AUTO").layerwise == "auto"
     assert KVLayerConfig(nvme_path="none").nvme_path is None
 
 
