@@ -105,6 +105,7 @@ class ChunkReads:
         self.plans = list(plans)
         self.groups = list(groups)
         self._tiers = tiers
+        self._guarded = tiers.guarded
         self._candidates: list[list[_Candidate]] = [[] for _ in self.plans]
         self._reads: list[_Read] = []
         self._group_of = [g for g, (lo, hi) in enumerate(self.groups) for _ in range(lo, hi)]
@@ -117,10 +118,9 @@ class ChunkReads:
         """Start reading every plan's chunks (see the module docstring). A timeout while opening
         leaves every plan without candidates (a miss); an error below propagates, with every
         reference already dropped."""
+        if not any(plan.keys for plan in plans):
+            return cls._nothing(tiers, plans, groups)
         reads = cls(tiers, plans, groups)
-        if not any(plan.keys for plan in reads.plans):
-            reads._mark_all_done()
-            return reads
         return tiers.run(reads._open(staging), "load", cls._nothing(tiers, plans, groups), ChunkReads.release)
 
     @classmethod
@@ -161,7 +161,7 @@ class ChunkReads:
                 n += 1
             counts.append(n)
             for key, cand in zip(plan.keys, cands[:n]):
-                self._tiers.guarded[cand.source].metrics.inc("hit_tokens", key.num_tokens)
+                self._guarded[cand.source].metrics.inc("hit_tokens", key.num_tokens)
             if n:
                 self._tiers.promote(plan.keys[:n], [c.obj for c in cands[:n]], [c.source for c in cands[:n]])
         for r in self._reads:
@@ -187,7 +187,7 @@ class ChunkReads:
 
     # --- the I/O loop's side --------------------------------------------------------------------
     async def _open(self, staging: Staging) -> ChunkReads:
-        tiers = self._tiers.guarded
+        tiers = self._guarded
         wanted: dict[int, dict[bytes, ChunkKey]] = {}  # memory tier -> its chunks, once each
         for plan in self.plans:
             for key, src in zip(plan.keys, plan.sources):
@@ -218,7 +218,7 @@ class ChunkReads:
 
     def _candidate(self, key: ChunkKey, src: int, found: dict[tuple[int, bytes], MemoryObj | None],
                    reads: dict[int, _Read], staging: Staging) -> _Candidate | None:
-        tier = self._tiers.guarded[src]
+        tier = self._guarded[src]
         if tier.in_memory:
             obj = found.get((src, key.digest))
             return None if obj is None else _Candidate(obj.ref(), src)

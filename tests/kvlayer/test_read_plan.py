@@ -59,12 +59,16 @@ def setup(make, monkeypatch) -> Setup:  # noqa: F811
     return make(fake={})
 
 
+def open_plans(s: Setup, plans: Sequence[ReadPlan], staging: Staging | None = None) -> ChunkReads:
+    return ChunkReads.open(s.mgr, plans, staging or Staging(s.staging, LAYOUT, s.metrics), GROUPS)
+
+
 def open_reads(s: Setup, requests: Sequence[Sequence[ChunkKey]], staging: Staging | None = None) -> ChunkReads:
     """Look each key list up, then open the reads of what was found (as ``LoadJob`` does)."""
     plans = []
     for keys, found in zip(requests, s.mgr.lookup_many(requests, record=False)):
         plans.append(ReadPlan(tuple(keys[: found.num_chunks]), found.sources))
-    return ChunkReads.open(s.mgr, plans, staging or Staging(s.staging, LAYOUT, s.metrics), GROUPS)
+    return open_plans(s, plans, staging)
 
 
 class ScarceStaging(Staging):
@@ -175,8 +179,7 @@ def test_reads_go_where_the_lookup_found_each_chunk_and_ask_no_tier_again(setup:
     fake = gated(s)
     before = dict(fake.calls)
     s.loop.loop.call_soon_threadsafe(fake.gate.set)
-    reads = ChunkReads.open(s.mgr, [ReadPlan(tuple(keys), found.sources)] * 2, Staging(s.staging, LAYOUT, s.metrics),
-                            GROUPS)
+    reads = open_plans(s, [ReadPlan(tuple(keys), found.sources)] * 2)
     assert reads.finish() == [4, 4]
     for objs in reads.objs:
         for key, obj in zip(keys, objs):
@@ -199,8 +202,7 @@ def test_a_chunk_evicted_after_the_lookup_ends_the_candidates(setup: Setup) -> N
     found = s.mgr.lookup(keys, record=False)
     assert found.num_chunks == 3
     assert s.loop.run(s.tiers["cpu"].remove([keys[1]]), timeout=5) == 1
-    reads = ChunkReads.open(s.mgr, [ReadPlan(tuple(keys), found.sources)], Staging(s.staging, LAYOUT, s.metrics),
-                            GROUPS)
+    reads = open_plans(s, [ReadPlan(tuple(keys), found.sources)])
     assert len(reads.objs[0]) == 1, "the chunks after the gone one are not read"
     assert gated(s).calls["read_layers"] == 0
     assert reads.finish() == [1]
