@@ -110,7 +110,8 @@ class MemoryTier(StorageBackend):
 
     # --- writes -------------------------------------------------------------------------
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
-        """Copy each chunk not yet present into a slot (the caller keeps its references).
+        """Copy each chunk not yet present into a slot, or adopt it (a new reference) where it is
+        one of this tier's own (``reserve``); the caller keeps its references.
 
         The chunks' data must be ready (producing kernels finished or ordered on the current
         stream). ``ValueError`` if lengths, shapes or dtypes do not match the layout.
@@ -140,7 +141,11 @@ class MemoryTier(StorageBackend):
             for i, (key, chunk) in enumerate(zip(keys, chunks)):
                 if key.digest in self._index:
                     continue
-                obj = self._allocate(chunk, batch, evicted, key.digest if selective else None)
+                if chunk.arena is self._arena:  # written in place (``reserve``): adopted, no copy
+                    fresh.append((key, chunk.ref()))
+                    stored[i] = True
+                    continue
+                obj = self._allocate(chunk.shape, chunk.dtype, batch, evicted, key.digest if selective else None)
                 if obj is None:
                     self._counts["promotions_declined" if selective else "skipped_full"] += 1
                     continue
@@ -158,6 +163,26 @@ class MemoryTier(StorageBackend):
         self._admit(fresh)
         self._touch([key for key in keys if key.digest in self._index])
         return stored
+
+    async def reserve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """Slots of a host arena for ``keys``' chunks, evicting as a put would (never one of
+        ``keys``); a later ``put_many`` of them adopts them without a copy. None from the first
+        key no slot can be freed for, and for every key of a device arena (a save gathers into
+        host memory)."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        if self._arena.device.type != "cpu":
+            return out
+        protect = {key.digest for key in keys}
+        evicted: list[bytes] = []
+        try:
+            for i, key in enumerate(keys):
+                out[i] = self._allocate(self._layout.chunk_shape(key.num_tokens), self._layout.dtype, protect, evicted)
+                if out[i] is None:
+                    self._counts["skipped_full"] += 1
+                    break
+        finally:
+            self._evicted(evicted)
+        return out
 
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         removed = []
@@ -221,12 +246,12 @@ class MemoryTier(StorageBackend):
         for key in sorted(keys, key=lambda k: k.start, reverse=True):
             self._index.move_to_end(key.digest)
 
-    def _allocate(self, chunk: MemoryObj, protect: set[bytes], evicted: list[bytes],
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, protect: set[bytes], evicted: list[bytes],
                   candidate: bytes | None = None) -> MemoryObj | None:
-        """A free slot for ``chunk``, evicting as needed; None if nothing can be evicted, or
-        (given the ``candidate``'s digest) if it was asked for no more often than the victim."""
+        """A free slot for a chunk of ``shape``, evicting as needed; None if nothing can be evicted,
+        or (given the ``candidate``'s digest) if it was asked for no more often than the victim."""
         while True:
-            obj = self._arena.allocate(chunk.shape, chunk.dtype)
+            obj = self._arena.allocate(shape, dtype)
             if obj is not None:
                 return obj
             victim = self._victim(protect)

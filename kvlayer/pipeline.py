@@ -98,6 +98,7 @@ class LoadJob:
         self._events = [torch.cuda.Event() for _ in self._caches] if stream is not None else []
         self._start_event = _record(stream)
         self._future: Future[None] | None = None
+        self._beside_compute = executor is not None
         if executor is None:
             self._run()
         else:
@@ -122,15 +123,20 @@ class LoadJob:
         try:
             plans = [item.plan() for item in self._items]
             reads = ChunkReads.open(self._tiers, plans, self._staging, self._groups)
+            # a load on the caller's thread has the CPU to itself: its scatter may use torch's threads
             copies = CopyPlan([piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
-                               for piece in _pieces(item, plan.keys, chunks)])
+                               for piece in _pieces(item, plan.keys, chunks)],
+                              threads=1 if self._beside_compute else torch.get_num_threads())
             with _on(self._stream, self._start_event):
-                for layer, cache in enumerate(self._caches):
-                    reads.wait_layer(layer)
-                    copies.scatter_layer(layer, cache)
-                    if self._events:
-                        self._events[layer].record(self._stream)
-                    self._ready[layer].set()
+                if self._beside_compute or self._events:  # each layer announced as soon as it is in
+                    for layer, cache in enumerate(self._caches):
+                        reads.wait_layer(layer)
+                        copies.scatter_layer(layer, cache)
+                        if self._events:
+                            self._events[layer].record(self._stream)
+                        self._ready[layer].set()
+                else:  # nobody waits before the job returns: one hand-off to the copy threads
+                    copies.scatter(self._caches, before=reads.wait_layer)
             counts = reads.finish()
             for item, plan, n in zip(self._items, plans, counts, strict=True):
                 self._valid[item.request_id] = min(plan.keys[n - 1].end, item.end) if n else item.start
@@ -150,8 +156,9 @@ class SaveJob:
     ``layer`` for every layer (in any order), then ``finish`` exactly once.
 
     Each item's chunks after the leading ones the tiers hold already (one presence check for
-    all items) get a ``staging`` chunk, as many as staging memory allows; ``finish`` hands them
-    to ``tiers`` (the top memory tier now, the others in the background).
+    all items) get memory of the top memory tier (``TierManager.reserve``) or else a ``staging``
+    chunk, up to the first that gets neither; ``finish`` hands them to ``tiers`` (the top
+    memory tier now, adopting its own memory without a copy; the others in the background).
     """
 
     def __init__(self, tiers: TierManager, staging: Staging, items: Sequence[SaveItem],
@@ -160,12 +167,18 @@ class SaveJob:
         self._stream = stream
         self._chunks: list[tuple[str, ChunkKey, MemoryObj, torch.Tensor]] = []
         held = tiers.lookup_many([item.keys for item in items], record=False) if items else []
-        for item, found in zip(items, held):
-            for key in item.keys[found.num_chunks :]:
-                obj = staging.allocate(key)
-                if obj is None:
-                    break
-                self._chunks.append((item.request_id, key, obj, item.slots[key.start : key.end]))
+        wanted = [(item, key) for item, found in zip(items, held) for key in item.keys[found.num_chunks :]]
+        # gathered straight into the top memory tier where it can (its store then copies nothing)
+        reserved = iter(tiers.reserve([key for _, key in wanted]) if wanted else [])
+        stopped: set[str] = set()
+        for item, key in wanted:
+            obj = next(reserved)
+            if item.request_id in stopped or (obj is None and (obj := staging.allocate(key)) is None):
+                stopped.add(item.request_id)  # an item's chunks are saved up to its first unstaged one
+                if obj is not None:
+                    obj.release()
+                continue
+            self._chunks.append((item.request_id, key, obj, item.slots[key.start : key.end]))
         self._copies = CopyPlan([(obj.tensor, slots) for _, _, obj, slots in self._chunks])
 
     def __len__(self) -> int:

@@ -193,7 +193,8 @@ class ChunkReads:
             for key, src in zip(plan.keys, plan.sources):
                 if tiers[src].in_memory:
                     wanted.setdefault(src, {})[key.digest] = key
-        fetched = await asyncio.gather(*(_get_all(tiers[src], list(keys.values())) for src, keys in wanted.items()))
+        gets = [_get_all(tiers[src], list(keys.values())) for src, keys in wanted.items()]
+        fetched = [await gets[0]] if len(gets) == 1 else await asyncio.gather(*gets)  # one: without a task
         found = {(src, digest): obj for (src, keys), got in zip(wanted.items(), fetched)
                  for digest, obj in zip(keys, got)}
         reads: dict[int, _Read] = {}

@@ -162,6 +162,13 @@ class StorageBackend(abc.ABC):
         await self.put_many(keys, chunks)
         return None
 
+    async def reserve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """Host chunks of this tier's own memory for ``keys``, to be written in place and then
+        stored with ``put_many``, which adopts them without a copy (a save's gather lands in
+        the tier). One reference each, the caller's; an unused one is just released. None for
+        a key the tier cannot give memory for; the default: None for every key."""
+        return [None] * len(keys)
+
     @abc.abstractmethod
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Remove the keys that are present and unpinned; returns how many were removed."""

@@ -71,7 +71,8 @@ class GuardedTier:
         """
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(call, self._deadline)
+            async with asyncio.timeout(self._deadline):  # in this task: no task per call, as wait_for makes
+                result = await call
         except TimeoutError as e:
             self._failed("timeouts", op, f"no answer within {self._deadline:g} s")
             raise TierFailure from e
@@ -121,6 +122,22 @@ class GuardedTier:
         self.metrics.inc("put_bytes", sum(c.nbytes for c in written))
         if counter is not None:
             self.metrics.inc(counter, len(written))
+
+    async def reserve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """``backend.reserve(keys)`` under the deadline, its answer checked; None for every key
+        when the tier fails or is unusable (the caller then uses its own memory)."""
+        miss: list[MemoryObj | None] = [None] * len(keys)
+        if not keys or not self.usable():
+            return miss
+        try:
+            objs = await self.call("reserve", self.backend.reserve(keys))
+        except TierFailure:
+            return miss
+        if len(objs) != len(keys):
+            release_all(o for o in objs if o is not None)
+            self._failed("errors", "reserve", f"{len(objs)} chunks for {len(keys)} keys")
+            return miss
+        return objs
 
     def sync_stats(self) -> None:
         """Mirror growth of the backend's own counters (evictions, checksum errors) into metrics."""

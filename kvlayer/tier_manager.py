@@ -144,6 +144,19 @@ class TierManager:
         if rest:
             self._background(self._write_through(rest, keys, chunks), chunks)
 
+    def reserve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
+        """Memory of the top memory tier for chunks about to be ``store``d, written in place so the
+        store adopts them without a copy (``StorageBackend.reserve``; one reference each, the
+        caller's). None for each key it cannot give (no memory tier on top, a device one, full,
+        failing): the caller then stages that chunk in its own memory."""
+        keys = list(keys)
+        miss: list[MemoryObj | None] = [None] * len(keys)
+        self._check_open()
+        if not keys or not self._tiers or not self._tiers[0].in_memory:
+            return miss
+        return self.run(self._tiers[0].reserve(keys), "reserve", miss,
+                        discard=lambda objs: _release(o for o in objs if o is not None))
+
     def warm_up(self) -> None:
         """Let every tier do its start-up work (e.g. the NVMe index scan) in the background now."""
         self._check_open()
@@ -184,6 +197,8 @@ class TierManager:
     # --- coroutines on the loop ---------------------------------------------------------
     async def _lookup_all(self, lists: list[list[ChunkKey]], record: bool) -> list[LookupResult]:
         miss = LookupResult(0, 0, {})
+        if len(lists) == 1:  # the common case, without gather's task
+            return [await self._lookup(lists[0], record) if lists[0] else miss]
         return list(await asyncio.gather(*(self._lookup(keys, record) if keys else _value(miss) for keys in lists)))
 
     async def _lookup(self, keys: list[ChunkKey], record: bool) -> LookupResult:
@@ -217,8 +232,7 @@ class TierManager:
             if max(counts.values(), default=0) >= len(rest):
                 counts.update(dict.fromkeys(wave, 0))
                 continue
-            calls = (t.call("contains_prefix", t.backend.contains_prefix(rest)) for t in wave)
-            answers = await asyncio.gather(*calls, return_exceptions=True)
+            answers = await _gather_answers([t.call("contains_prefix", t.backend.contains_prefix(rest)) for t in wave])
             for t, answer in zip(wave, answers):
                 if not isinstance(answer, BaseException):
                     counts[t] = max(0, min(int(answer), len(rest)))
@@ -317,3 +331,13 @@ class TierManager:
 
 async def _value(value: T) -> T:
     return value
+
+
+async def _gather_answers(calls: list[Coroutine[Any, Any, T]]) -> list[T | BaseException]:
+    """``asyncio.gather(*calls, return_exceptions=True)``, awaiting a single call in place."""
+    if len(calls) == 1:
+        try:
+            return [await calls[0]]
+        except Exception as e:  # as gather would hand it back
+            return [e]
+    return list(await asyncio.gather(*calls, return_exceptions=True))

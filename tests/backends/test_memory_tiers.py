@@ -146,6 +146,32 @@ def test_lru_eviction(run: Run, make_tier, src) -> None:
     assert tier.stats()["evictions"] == 1
 
 
+def test_reserved_chunks_are_adopted_without_a_copy(run: Run, make_tier, src) -> None:
+    """``reserve`` evicts as a put would and gives host slots; ``put_many`` of them stores those
+    very slots (no second one)."""
+    tier = make_tier(3)
+    a, b, c, d = (make_keys(1, seed=s)[0] for s in range(4))
+    for k in (a, b):
+        put(run, tier, src, [k])
+    got = run(tier.reserve([c, d]))
+    assert all(o is not None for o in got) and tier.stats()["evictions"] == 1
+    assert present(run, tier, [a, b, c, d]) == [False, True, False, False], "the least recent one went"
+    for key, obj in zip([c, d], got):
+        obj.tensor.copy_(chunk_data(key))
+    run(tier.put_many([c, d], got))
+    assert tier.arena.used_count == 3
+    for key, obj in zip([c, d], got):
+        held = run(tier.get(key))
+        assert held is obj and torch.equal(held.tensor, chunk_data(key))
+        held.release()
+        obj.release()
+    check_index_refs(tier)
+    full = run(tier.reserve(make_keys(4, seed=20)))
+    assert [o is None for o in full] == [False, False, False, True], "stops at what it cannot free"
+    for o in full[:3]:
+        o.release()
+
+
 def test_chain_tails_are_evicted_before_heads(run: Run, make_tier, src) -> None:
     tier = make_tier(4)
     chain = make_keys(4)

@@ -140,15 +140,43 @@ def test_a_save_stages_only_what_the_tiers_lack_for_each_request(kv):
     a, b = list(range(24)), list(range(500, 516))
     kv.store(a[:16], caches(), slots_for(16, 11))  # the first 2 of a's 3 chunks are held
     src, slots = caches(), slots_for(24, 12)
+    cpu = kv.tiers.guarded[0].backend.arena
+    held = cpu.used_count
     job = SaveJob(kv.tiers, kv.chunk_staging, [SaveItem("a", tuple(kv.keys(a)), slots),
                                                SaveItem("b", tuple(kv.keys(b)), slots[:16])])
     assert len(job) == 1 + 2
-    assert kv.staging.used_count == 3
+    assert (cpu.used_count, kv.staging.used_count) == (held + 3, 0), "gathered into the cpu tier's own memory"
     for layer, cache in enumerate(src):
         job.layer(layer, cache)
     job.finish()
-    assert kv.staging.used_count == 0
+    assert (cpu.used_count, kv.staging.used_count) == (held + 3, 0), "the tier adopted them: no second copy"
     assert (kv.lookup(a), kv.lookup(b)) == (24, 16)
     out = caches(fill=False)
     assert kv.retrieve(b, out, slots_for(16, 13)) == 16
     assert torch.equal(kv_at(out, slots_for(16, 13)), kv_at(src, slots[:16]))
+
+
+@pytest.mark.parametrize("cpu_capacity", [0, 2 * LAYOUT.chunk_bytes(8)])
+def test_a_save_stages_what_the_top_tier_cannot_take(cpu_capacity, tmp_path):
+    """No cpu tier (nvme only), or a cpu tier of 2 chunks whose both are in use by a load: the
+    save's chunks go through staging, and the tiers still get every one of them."""
+    config = {"chunk_size": 8, "cpu_capacity": cpu_capacity, "nvme_path": str(tmp_path), "nvme_capacity": "1MiB"}
+    with KVCacheEngine(config, LAYOUT, model_name="m", model_fingerprint="f") as kv:
+        busy = []
+        if cpu_capacity:
+            kv.store(list(range(16)), caches(), slots_for(16, 14))
+            busy = [o for o in kv.tiers.run(kv.tiers.guarded[0].get_many(kv.keys(list(range(16)))), "t", [])]
+            assert len(busy) == 2 and all(busy), "both cpu slots referenced: none can be evicted"
+        tokens, src, slots = list(range(100, 124)), caches(), slots_for(24, 15)
+        job = SaveJob(kv.tiers, kv.chunk_staging, [SaveItem("r", tuple(kv.keys(tokens)), slots)])
+        assert (len(job), kv.staging.used_count) == (3, 3)
+        for layer, cache in enumerate(src):
+            job.layer(layer, cache)
+        job.finish()
+        kv.flush()
+        for obj in busy:
+            obj.release()
+        assert kv.staging.used_count == 0
+        out = caches(fill=False)
+        assert kv.retrieve(tokens, out, slots_for(24, 16)) == 24
+        assert torch.equal(kv_at(out, slots_for(24, 16)), kv_at(src, slots))

@@ -117,9 +117,10 @@ def test_misaligned_and_strided_chunks_fall_back_and_stay_exact() -> None:
         assert same(out, chunk)
 
 
-@pytest.mark.parametrize(("heads", "dim"), [(4, 64), (1, 3)])
-def test_a_plan_moves_several_pieces_layer_by_layer(heads: int, dim: int) -> None:
-    """Whole chunks and token slices of chunks (a partial load), in one plan, each layer once."""
+@pytest.mark.parametrize(("heads", "dim", "threads"), [(4, 64, 1), (4, 64, 3), (1, 3, 2)])
+def test_a_plan_moves_several_pieces_layer_by_layer(heads: int, dim: int, threads: int) -> None:
+    """Whole chunks and token slices of chunks (a partial load), in one plan, each layer once;
+    with ``threads`` > 1 the scatter shares the pieces with copy threads, to the same bytes."""
     cache_list = caches(heads, dim, torch.bfloat16, seed=8)
     slots = slots_of(9, 0, 100)
     chunks = [bits(torch.bfloat16, (LAYERS, 2, 32, heads, dim), seed=10 + i) for i in range(3)]
@@ -128,15 +129,30 @@ def test_a_plan_moves_several_pieces_layer_by_layer(heads: int, dim: int) -> Non
     for chunk, s in pieces:
         want = scattered(chunk, want, s)
     got = [c.clone() for c in cache_list]
-    plan = transfer.CopyPlan(pieces)
+    plan = transfer.CopyPlan(pieces, threads=threads)
+    assert len(plan._helpers()) == threads - 1
     for layer in reversed(range(LAYERS)):  # in any order, each once
         plan.scatter_layer(layer, got[layer])
     assert all(same(g, w) for g, w in zip(got, want))
-    plan.scatter(got)  # a plan may run again
+    got = [c.clone() for c in cache_list]
+    seen: list[int] = []
+    plan.scatter(got, before=seen.append)  # the threads share the pieces; a plan may run again
     assert all(same(g, w) for g, w in zip(got, want))
+    shared = threads if heads * dim * 2 % 16 == 0 else 1  # 6-byte rows are not 16-byte elements: one thread
+    assert sorted(seen) == sorted(list(range(LAYERS)) * shared), "each thread announces each layer"
     outs = [torch.zeros(LAYERS, 2, 40, heads, dim, dtype=torch.bfloat16) for _ in range(2)]
     back = transfer.CopyPlan([(outs[0][:, :, 5:30], slots[7:32]), (outs[1][:, :, :32], slots[32:64])])
     back.gather(want)
     assert same(outs[0][:, :, 5:30], chunks[0][:, :, 7:]) and same(outs[1][:, :, :32], chunks[1])
     assert not outs[0][:, :, :5].any() and not outs[0][:, :, 30:].any(), "only the pieces' tokens are written"
     transfer.CopyPlan([]).scatter(got)  # no pieces: nothing to do
+
+
+def test_a_plan_leaves_big_pieces_to_torch_threads() -> None:
+    """A piece whose layer is over ``_ONE_THREAD_BYTES`` is split by torch itself: no copy threads."""
+    tokens = transfer._ONE_THREAD_BYTES // (2 * 4 * 64 * 4) + 16
+    big = [(torch.zeros(1, 2, tokens, 4, 64), torch.arange(tokens)) for _ in range(2)]
+    assert transfer.CopyPlan(big, threads=2)._helpers() == []
+    small = [(torch.zeros(1, 2, 16, 4, 64), torch.arange(16)) for _ in range(2)]
+    assert len(transfer.CopyPlan(small, threads=2)._helpers()) == 1
+    assert transfer.CopyPlan(small[:1], threads=2)._helpers() == [], "one piece: nothing to share"
