@@ -34,7 +34,7 @@ from kvlayer.connectors.base import (
 )
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
-from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob
+from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, loads_layerwise
 from kvlayer.transfer import slot_mapping
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class KVLayerConnector(KVConnectorBase):
             items = [LoadItem(ld.request_id, ld.keys, ld.sources, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
                      for ld in metadata.loads]
             if items:
-                layerwise = self._layerwise_load(items)
+                layerwise = loads_layerwise(self.config.layerwise, self.device, kv.tiers, items)
                 self._load = LoadJob(kv.tiers, kv.chunk_staging, kv.groups, self._caches, items,
                                      self._loader if layerwise else None, self._streams.load if layerwise else None)
         except Exception:  # a bug below must cost a recompute, never the engine
@@ -218,17 +218,6 @@ class KVLayerConnector(KVConnectorBase):
             save.finish(self._failed)
         except Exception:
             log.exception("kvlayer: saving the step's chunks failed")
-
-    def _layerwise_load(self, items: Sequence[LoadItem]) -> bool:
-        """Whether this step loads layer by layer (``kvlayer.config.LAYERWISE``): under ``auto``, on
-        CUDA, or when a chunk comes from a tier that is not in memory (NVMe, Redis)."""
-        mode = self.config.layerwise
-        if mode != "auto":
-            return mode == "on"
-        if self.device.type == "cuda":
-            return True
-        tiers = self.kv.tiers.guarded
-        return any(not tiers[s].in_memory for item in items for s in item.sources)
 
     def _slots(self, block_ids: Sequence[int], end: int) -> torch.Tensor:
         return slot_mapping(block_ids, self.block_size, 0, end, self.device)

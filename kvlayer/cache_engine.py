@@ -102,7 +102,10 @@ class KVCacheEngine:
               cache_salt: str | None = None, keys: Sequence[ChunkKey] | None = None) -> int:
         """Store the chunks of ``token_ids`` whose KV sits in ``kv_caches`` at ``slot_mapping``.
 
-        ``slot_mapping`` holds one slot per token of ``token_ids`` (int64, caches' device).
+        ``kv_caches``: one per layer, laid out as ``layout.paged_view`` sees them (the engine's own
+        tensors for the default layout). ``slot_mapping`` holds one slot per token of
+        ``token_ids`` (int64, caches' device), or one block id per block for a layout of opaque
+        blocks (``KVLayout.copy_unit``).
         Chunks already held are skipped. Returns how many chunks were handed to the tiers;
         lower tiers are written in the background. Never raises for a tier failure;
         ``ValueError`` if ``slot_mapping`` is too short.
@@ -110,8 +113,9 @@ class KVCacheEngine:
         keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
         if not keys:
             return 0
-        if len(slot_mapping) < keys[-1].end:
-            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens")
+        need = -(-keys[-1].end // self.layout.copy_unit)
+        if len(slot_mapping) < need:
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens (needs {need})")
         job = SaveJob(self.tiers, self.chunk_staging, [SaveItem("store", tuple(keys), slot_mapping)])
         for layer, cache in enumerate(kv_caches):
             job.layer(layer, cache)

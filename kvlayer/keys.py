@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlayer.layout import KVLayout, dtype_name
+from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, dtype_name
 
 FORMAT_VERSION = 1
 """Bumped whenever the chunk layout or the on-disk/in-Redis format changes."""
@@ -61,6 +61,8 @@ class Namespace:
             dtype_name(lay.dtype), str(lay.num_layers), str(lay.num_kv_heads), str(lay.head_dim),
             str(self.chunk_size), str(self.tp_rank), str(self.tp_size), self.salt,
         )
+        if lay.cache_layout != DEFAULT_CACHE_LAYOUT:  # the default's keys stay those of format 1
+            fields += (lay.cache_layout,)
         out = bytearray()
         for f in fields:
             b = f.encode()

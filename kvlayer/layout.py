@@ -1,9 +1,13 @@
 """The shape of a model's KV cache, as kvlayer sees it.
 
-A paged cache (the engine's) holds, per layer, a tensor ``[2, num_blocks, block_size,
-num_kv_heads, head_dim]`` (index 0 = keys, 1 = values); a slot is ``block * block_size +
-offset``. kvlayer stores chunks ``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]``
-(docs/architecture.md section 4): per-layer slices are contiguous.
+A paged cache (the engine's) holds one tensor per layer; kvlayer reads and writes it through a
+view ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys, 1 = values), where
+a slot is ``block * block_size + offset``. ``KVLayout.cache_layout`` names how the engine's own
+tensor is laid out and ``paged_view`` makes that view of it, without copying (docs/architecture.md
+section 10). An engine whose blocks pack K and V in its own way (vLLM's CPU attention) is copied
+block by block, as opaque bytes: the view then has one row per block, and a slot is a block id.
+kvlayer stores chunks ``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]`` whatever the
+engine's layout (docs/architecture.md section 4): per-layer slices are contiguous.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported KV dtype {name!r}; supported: {sorted(_DTYPES)}") from None
 
 
+DEFAULT_CACHE_LAYOUT = "kv-block-token-head-dim"
+"""The bundled engine's cache layout, ``[2, num_blocks, block_size, kv_heads, head_dim]`` per
+layer, also FlashAttention's in vLLM on CUDA: copied token row by token row."""
+BLOCKS = "blocks:"
+"""The prefix of an opaque-block cache layout (see ``KVLayout.cache_layout``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """What kvlayer needs to know of a model's KV cache: layers, heads, dtype, paging."""
@@ -47,6 +58,12 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    cache_layout: str = DEFAULT_CACHE_LAYOUT
+    """How the engine's per-layer cache tensor is laid out: ``DEFAULT_CACHE_LAYOUT``, or
+    ``"blocks:<tag>"`` for an engine whose blocks kvlayer copies whole, as opaque bytes (``tag``
+    names the engine's packing, e.g. vLLM's CPU attention and its ISA). Part of the key
+    namespace where it is not the default, so chunks are shared only between engines whose
+    caches are laid out alike."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -54,6 +71,47 @@ class KVLayout:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{field} must be a positive int, got {value!r}")
         dtype_name(self.dtype)
+        if self.cache_layout != DEFAULT_CACHE_LAYOUT and not (
+                self.cache_layout.startswith(BLOCKS) and len(self.cache_layout) > len(BLOCKS)):
+            raise ValueError(f"unknown cache layout {self.cache_layout!r}; known: "
+                             f"{DEFAULT_CACHE_LAYOUT!r} and {BLOCKS!r}<tag>")
+
+    @property
+    def opaque_blocks(self) -> bool:
+        """Whether copies move whole engine blocks as bytes (``"blocks:..."``), not token rows."""
+        return self.cache_layout != DEFAULT_CACHE_LAYOUT
+
+    @property
+    def copy_unit(self) -> int:
+        """Tokens per copied row: 1 for token rows, ``block_size`` for opaque blocks. Slots
+        (``kvlayer.transfer``) then name token slots or block ids, and every copy of opaque
+        blocks must start and end on a block boundary."""
+        return self.block_size if self.opaque_blocks else 1
+
+    def paged_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """One layer of the engine's cache as the 5-d view ``kvlayer.transfer`` copies through,
+        over the same memory: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` for the
+        default layout, ``[1, num_blocks, 1, 1, block_elements]`` (a block as one row) for
+        opaque blocks. ``ValueError`` if its dtype or size does not fit, or it is not one
+        contiguous tensor where opaque blocks need that."""
+        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        if cache.dtype != self.dtype or cache.numel() % per_block or cache.dim() == 0:
+            raise ValueError(f"a {tuple(cache.shape)} {cache.dtype} cache does not fit {self}")
+        blocks = cache.numel() // per_block
+        if not self.opaque_blocks:
+            return cache.view(2, blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if not cache.is_contiguous():
+            raise ValueError(f"opaque blocks need a contiguous cache, got strides {cache.stride()}")
+        return cache.view(1, blocks, 1, 1, per_block)
+
+    def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A chunk ``[num_layers, 2, tokens, kv_heads, head_dim]`` (contiguous) seen as the rows
+        ``paged_view`` copies: itself, or ``[num_layers, 1, tokens // block_size, 1, block_elements]``
+        for opaque blocks (whose bytes are then the engine's blocks, in order)."""
+        if not self.opaque_blocks:
+            return chunk
+        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return chunk.view(chunk.shape[0], 1, chunk.shape[2] // self.block_size, 1, per_block)
 
     @property
     def element_size(self) -> int:

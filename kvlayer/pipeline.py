@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlayer.keys import ChunkKey
+from kvlayer.layout import KVLayout
 from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
 from kvlayer.read_plan import ChunkReads, LayerGroups, ReadPlan
@@ -49,7 +50,8 @@ class LoadItem:
     ``keys``: the request's chunk keys from token 0 (at least those overlapping ``[start, end)``);
     ``sources``: the tier of each of its leading found chunks (``LookupResult.sources``; the
     chunks after them are not read); ``slots``: int64 on the caches' device, the cache slot of
-    each token ``0..end-1``.
+    each token ``0..end-1`` (for opaque blocks, ``KVLayout.copy_unit``, the block id of each
+    block, with ``start`` and ``end`` on block boundaries).
     """
 
     request_id: str
@@ -68,7 +70,7 @@ class LoadItem:
 @dataclass(frozen=True, slots=True)
 class SaveItem:
     """Store the chunks ``keys`` of one request; ``slots`` (int64, the caches' device) holds the
-    cache slot of each token ``0..keys[-1].end-1``."""
+    cache slot of each token ``0..keys[-1].end-1`` (or block id of each block, as for ``LoadItem``)."""
 
     request_id: str
     keys: tuple[ChunkKey, ...]
@@ -125,7 +127,7 @@ class LoadJob:
             reads = ChunkReads.open(self._tiers, plans, self._staging, self._groups)
             # a load on the caller's thread has the CPU to itself: its scatter may use torch's threads
             copies = CopyPlan([piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
-                               for piece in _pieces(item, plan.keys, chunks)],
+                               for piece in _pieces(self._staging.layout, item, plan.keys, chunks)],
                               threads=1 if self._beside_compute else torch.get_num_threads())
             with _on(self._stream, self._start_event):
                 if self._beside_compute or self._events:  # each layer announced as soon as it is in
@@ -178,8 +180,9 @@ class SaveJob:
                 if obj is not None:
                     obj.release()
                 continue
-            self._chunks.append((item.request_id, key, obj, item.slots[key.start : key.end]))
-        self._copies = CopyPlan([(obj.tensor, slots) for _, _, obj, slots in self._chunks])
+            unit = staging.layout.copy_unit
+            self._chunks.append((item.request_id, key, obj, item.slots[key.start // unit : -(-key.end // unit)]))
+        self._copies = CopyPlan([(staging.layout.chunk_view(obj.tensor), slots) for _, _, obj, slots in self._chunks])
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -216,13 +219,28 @@ class SaveJob:
             _release(objs)
 
 
-def _pieces(item: LoadItem, keys: Sequence[ChunkKey], objs: list[MemoryObj]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each chunk's tokens of ``[item.start, item.end)`` and their slots."""
+def loads_layerwise(mode: str, device: torch.device, tiers: TierManager, items: Sequence[LoadItem]) -> bool:
+    """Whether a step's loads go layer by layer (``kvlayer.config.LAYERWISE``, ``mode``): ``on``;
+    under ``auto``, on CUDA, or when a chunk comes from a tier not in memory (NVMe, Redis)."""
+    if mode != "auto":
+        return mode == "on"
+    if device.type == "cuda":
+        return True
+    guarded = tiers.guarded
+    return any(not guarded[s].in_memory for item in items for s in item.sources)
+
+
+def _pieces(layout: KVLayout, item: LoadItem, keys: Sequence[ChunkKey],
+            objs: list[MemoryObj]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each chunk's rows of tokens ``[item.start, item.end)`` (``layout.chunk_view``) and their slots."""
     out = []
+    unit = layout.copy_unit
     for key, obj in zip(keys, objs):
         lo, hi = max(key.start, item.start), min(key.end, item.end)
-        chunk = obj.tensor if (lo, hi) == (key.start, key.end) else obj.tensor[:, :, lo - key.start : hi - key.start]
-        out.append((chunk, item.slots[lo:hi]))
+        rows = layout.chunk_view(obj.tensor)
+        if (lo, hi) != (key.start, key.end):
+            rows = rows[:, :, (lo - key.start) // unit : -(-(hi - key.start) // unit)]
+        out.append((rows, item.slots[lo // unit : -(-hi // unit)]))
     return out
 
 

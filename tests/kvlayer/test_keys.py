@@ -55,6 +55,7 @@ def test_same_chunk_tokens_in_another_position_get_another_key() -> None:
     {"layout": dataclasses.replace(LAYOUT, num_layers=5)},
     {"layout": dataclasses.replace(LAYOUT, num_kv_heads=4)},
     {"layout": dataclasses.replace(LAYOUT, head_dim=16)},
+    {"layout": dataclasses.replace(LAYOUT, cache_layout="blocks:vllm-cpu-vec")},
     {"tp_rank": 1, "tp_size": 2}, {"tp_size": 2}, {"format_version": 2},
 ])
 def test_every_namespace_field_changes_every_key(change) -> None:

@@ -180,3 +180,25 @@ def test_a_save_stages_what_the_top_tier_cannot_take(cpu_capacity, tmp_path):
         out = caches(fill=False)
         assert kv.retrieve(tokens, out, slots_for(24, 16)) == 24
         assert torch.equal(kv_at(out, slots_for(24, 16)), kv_at(src, slots))
+
+
+def test_opaque_blocks_round_trip_whole_blocks(tmp_path):
+    """A ``blocks:`` layout: chunks hold the engine's blocks as bytes; a store reads blocks at
+    their ids, a retrieve (also from NVMe, and of a part starting on a block) writes them whole."""
+    import dataclasses
+
+    lay = dataclasses.replace(LAYOUT, block_size=4, cache_layout="blocks:test")
+    shape = (12, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)  # vLLM's CPU shape, 12 blocks
+    src = [torch.randn(shape) for _ in range(lay.num_layers)]
+    config = {"chunk_size": 8, "cpu_capacity": "1MiB", "nvme_path": str(tmp_path), "nvme_capacity": "1MiB"}
+    with KVCacheEngine(config, lay, model_name="m", model_fingerprint="f") as kv:
+        tokens, ids = list(range(24)), torch.tensor([3, 9, 1, 0, 5, 11])  # 3 chunks of 2 blocks
+        assert kv.store(tokens, [lay.paged_view(c) for c in src], ids) == 3
+        kv.flush()
+        kv.tiers.run(kv.tiers.guarded[0].backend.remove(kv.keys(tokens)), "t", 0)  # now only on NVMe
+        dst = [torch.zeros(shape) for _ in range(lay.num_layers)]
+        back = torch.tensor([2, 4, 6, 8, 10, 7])
+        assert kv.retrieve(tokens, [lay.paged_view(c) for c in dst], back, start=8) == 24
+        for s, d in zip(src, dst):
+            assert torch.equal(d[back[2:]], s[ids[2:]]), "every block after the start, whole"
+            assert not d[back[:2]].any(), "the blocks before start are the engine's own"

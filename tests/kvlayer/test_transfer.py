@@ -156,3 +156,32 @@ def test_a_plan_leaves_big_pieces_to_torch_threads() -> None:
     small = [(torch.zeros(1, 2, 16, 4, 64), torch.arange(16)) for _ in range(2)]
     assert len(transfer.CopyPlan(small, threads=2)._helpers()) == 1
     assert transfer.CopyPlan(small[:1], threads=2)._helpers() == [], "one piece: nothing to share"
+
+
+def test_opaque_blocks_move_whole_through_their_paged_view() -> None:
+    """A ``blocks:`` layout (vLLM's CPU cache ``[blocks, heads, block_size, 2 * dim]``, packed its
+    own way): a plan moves whole blocks, byte for byte, to and from the block ids given."""
+    from kvlayer.layout import KVLayout
+
+    heads, dim = 2, 8
+    layout = KVLayout(LAYERS, heads, dim, torch.float32, BLOCK_SIZE, "blocks:test")
+    assert layout.copy_unit == BLOCK_SIZE
+    engine = [bits(torch.float32, (NUM_BLOCKS, heads, BLOCK_SIZE, 2 * dim), seed=30 + i) for i in range(LAYERS)]
+    views = [layout.paged_view(c) for c in engine]
+    assert views[0].shape == (1, NUM_BLOCKS, 1, 1, heads * BLOCK_SIZE * 2 * dim)
+    assert views[0].data_ptr() == engine[0].data_ptr(), "a view, not a copy"
+    chunk = bits(torch.float32, layout.chunk_shape(3 * BLOCK_SIZE), seed=32)
+    rows = layout.chunk_view(chunk)
+    ids = torch.tensor([7, 2, 4])
+    transfer.CopyPlan([(rows[:, :, :1], ids[:1]), (rows[:, :, 1:], ids[1:])], threads=2).scatter(views)
+    for layer, cache in enumerate(engine):
+        for i, block in enumerate(ids.tolist()):
+            assert same(cache[block].flatten(), rows[layer, 0, i, 0]), "block i of the chunk is engine block ids[i]"
+    out = torch.empty_like(chunk)
+    transfer.CopyPlan([(layout.chunk_view(out), ids)]).gather(views)
+    assert same(out, chunk)
+    for wrong in (torch.zeros(3, heads, BLOCK_SIZE, dim), engine[0].half(), engine[0].transpose(0, 1)):
+        with pytest.raises(ValueError, match="does not fit|contiguous"):
+            layout.paged_view(wrong)
+    with pytest.raises(ValueError, match="unknown cache layout"):
+        KVLayout(LAYERS, heads, dim, torch.float32, BLOCK_SIZE, "blocks:")

@@ -1,0 +1,211 @@
+"""The lookup channel between the two sides of the vLLM connector (docs/vllm.md, "Two processes").
+
+vLLM runs its scheduler in the engine-core process and the model in worker processes; kvlayer's
+tiers (its CPU memory among them) live in the worker. The worker answers the scheduler's
+"how much of this prompt do you hold, and where" over a Unix socket, one per worker rank, at a
+path both sides derive from vLLM's engine id (``socket_path``).
+
+Wire format (little-endian, no pickle): a request is ``u32 length`` + ``u16 salt length`` + the
+salt (UTF-8; empty for none) + the token ids as int32; the answer is ``u32 found tokens`` +
+``u32 n`` + ``n`` bytes, the tier index of each found chunk. A client that cannot reach the
+worker, or gets no answer within its timeout, answers a miss: the scheduler never waits long and
+never raises for the channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvlayer.health import LogThrottle
+
+log = logging.getLogger(__name__)
+
+Answer = tuple[int, tuple[int, ...]]
+"""Found tokens, and the tier index of each found chunk."""
+MISS: Answer = (0, ())
+MAX_REQUEST_BYTES = 64 << 20
+"""The largest request a server reads (16M tokens); a longer one closes the connection."""
+RETRY_S = 1.0
+"""How long a client waits after a failure before it tries to connect again."""
+
+
+def socket_path(engine_id: str, rank: int) -> str:
+    """The socket of worker ``rank`` of the vLLM engine ``engine_id`` (short enough for AF_UNIX)."""
+    tag = hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest()
+    return os.path.join(tempfile.gettempdir(), f"kvlayer-{tag}-{rank}.sock")
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``sock``; ``ConnectionError`` if it closes first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("the peer closed the lookup channel")
+        got += k
+    return bytes(buf)
+
+
+def encode_request(token_ids: Sequence[int], salt: str | None) -> bytes:
+    """The request bytes for ``token_ids`` under ``salt``; ``ValueError`` for ids outside int32."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids must be in [0, 2**31)")
+    salt_bytes = (salt or "").encode()
+    body = struct.pack("<H", len(salt_bytes)) + salt_bytes + tokens.astype("<i4").tobytes()
+    return struct.pack("<I", len(body)) + body
+
+
+def decode_request(body: bytes) -> tuple[list[int], str | None]:
+    """``(token_ids, salt)`` of a request body; ``ValueError`` if it is malformed."""
+    if len(body) < 2:
+        raise ValueError("a lookup request shorter than its header")
+    (n_salt,) = struct.unpack_from("<H", body)
+    rest = len(body) - 2 - n_salt
+    if rest < 0 or rest % 4:
+        raise ValueError(f"a lookup request of {len(body)} bytes does not hold whole token ids")
+    salt = body[2 : 2 + n_salt].decode()
+    return np.frombuffer(body, dtype="<i4", offset=2 + n_salt).tolist(), salt or None
+
+
+class LookupServer:
+    """Answers lookups at ``path`` with ``answer(token_ids, salt)`` until ``close``.
+
+    One daemon thread accepts connections and one serves each; ``answer`` is called from those
+    threads (it must be thread-safe) and an exception in it answers a miss (logged)."""
+
+    def __init__(self, path: str, answer: Callable[[list[int], str | None], Answer]) -> None:
+        self.path = path
+        self._answer = answer
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a previous engine's, left by a crash
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(8)
+        self._thread = threading.Thread(target=self._accept, name="kvlayer-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed.is_set():
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvlayer-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_requests(conn)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_requests(self, conn: socket.socket) -> None:
+        """Answer ``conn``'s requests until it closes, errs or the server closes."""
+        while not self._closed.is_set():
+            try:
+                (size,) = struct.unpack("<I", _read_exact(conn, 4))
+                if size > MAX_REQUEST_BYTES:
+                    log.warning("kvlayer lookup: a %d-byte request is over the limit; closing it", size)
+                    return
+                tokens, salt = decode_request(_read_exact(conn, size))
+            except (ConnectionError, OSError):
+                return
+            except ValueError as e:
+                log.warning("kvlayer lookup: %s; closing the connection", e)
+                return
+            try:
+                found, sources = self._answer(tokens, salt)
+            except Exception:
+                log.exception("kvlayer lookup: answering failed; a miss")
+                found, sources = MISS
+            try:
+                conn.sendall(struct.pack("<II", found, len(sources)) + bytes(sources))
+            except OSError:
+                return
+
+    def close(self) -> None:
+        """Stop serving (open connections included) and remove the socket file (idempotent)."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            conns = list(self._conns)
+        for sock in [self._sock, *conns]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class LookupClient:
+    """Asks the worker at ``path``; every failure is a miss (logged, throttled), and after one
+    the client waits ``RETRY_S`` before it connects again. Use from one thread."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._retry_at = 0.0
+        self._throttle = LogThrottle(60.0)
+
+    def lookup(self, token_ids: Sequence[int], salt: str | None) -> Answer:
+        """How many leading tokens of ``token_ids`` the worker's tiers hold, and each found
+        chunk's tier; ``MISS`` when the worker cannot be asked."""
+        if self._sock is None and time.monotonic() < self._retry_at:
+            return MISS
+        try:
+            sock = self._connected()
+            sock.sendall(encode_request(token_ids, salt))
+            found, n = struct.unpack("<II", _read_exact(sock, 8))
+            return found, tuple(_read_exact(sock, n))
+        except (OSError, ConnectionError) as e:
+            self._fail(e)
+            return MISS
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
+            self._sock = sock
+        return self._sock
+
+    def _fail(self, error: Exception) -> None:
+        if self._throttle.allow():
+            log.warning("kvlayer: the lookup channel %s failed (%s); a miss, retrying in %.0f s",
+                        self.path, error, RETRY_S)
+        self.close()
+        self._retry_at = time.monotonic() + RETRY_S
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None

@@ -1,0 +1,145 @@
+"""``KVLayerConnectorV1``: kvlayer as a vLLM V1 KV connector (docs/vllm.md).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVLayerConnectorV1",
+        "kv_connector_module_path": "kvlayer.connectors.vllm_v1", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_capacity": "8GiB", "nvme_path": "/mnt/nvme/kv"}}'
+
+vLLM builds one instance per role: the scheduler's in its engine-core process
+(``vllm_scheduler.SchedulerSide``) and one per worker (``vllm_worker.WorkerSide``, which owns
+the tiers). They share only vLLM's per-step metadata (``vllm_meta``) and the lookup channel
+(``vllm_lookup``). This class translates vLLM's interface (``KVConnectorBase_V1``, as installed)
+into those two and nothing more (docs/architecture.md section 10). Loads are synchronous, layer
+by layer where ``layerwise`` says so; saves copy out within the step, so a finished request's
+blocks are never held (``request_finished`` answers False).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvlayer.connectors.vllm_lookup import LookupClient, socket_path
+from kvlayer.connectors.vllm_meta import StepMetadata
+from kvlayer.connectors.vllm_scheduler import SchedulerSide
+from kvlayer.connectors.vllm_setup import cache_layout, check_block_size, kvlayer_config, model_identity
+from kvlayer.connectors.vllm_worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+class KVLayerConnectorV1(KVConnectorBase_V1):
+    """kvlayer's vLLM connector; ``vllm_config.kv_transfer_config.kv_connector_extra_config``
+    holds kvlayer's config keys (``kvlayer.connectors.vllm_setup.kvlayer_config``). A bad key
+    or value stops vLLM's start-up with kvlayer's one-line ``ConfigError``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._config = kvlayer_config(transfer.kv_connector_extra_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        check_block_size(self._config, self._block_size)
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        if tp != 1:
+            raise ValueError(f"kvlayer's vLLM connector runs with tensor_parallel_size 1 for now, got {tp}")
+        self._engine_id = str(transfer.engine_id)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._client: LookupClient | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # vLLM reads the policy right after building this side: kvlayer is a cache, so a
+                # chunk that fails to load (a dead tier, a corrupt file) is recomputed, not an error
+                log.info("kvlayer: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
+                transfer.kv_load_failure_policy = "recompute"
+            self._client = LookupClient(socket_path(self._engine_id, 0), self._config.tier_timeout_ms / 1000)
+            self._scheduler = SchedulerSide(self._config, self._client, self._block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """kvlayer is a best-effort cache: a request never waits on a hand-off."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # kvlayer adapts to the backend's layout (vllm_setup.cache_layout)
+
+    # ----- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        first = kv_caches[names[0]]
+        model = self._vllm_config.model_config
+        layout = cache_layout(first, model.get_num_kv_heads(self._vllm_config.parallel_config),
+                              model.get_head_size(), self._block_size, first.dtype, len(names))
+        name, fingerprint = model_identity(str(model.model), getattr(model, "revision", None))
+        engine = {"model_name": name, "model_fingerprint": fingerprint, "device": str(first.device),
+                  "tp_rank": 0, "tp_size": 1}
+        self._worker = WorkerSide(self._config, layout, socket_path(self._engine_id, 0), engine)
+        self._worker.register(names, [kv_caches[n] for n in names])
+        log.info("kvlayer: %d layers of %s, tiers %s", len(names), layout.cache_layout, self._worker.kv.tier_names)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, StepMetadata):
+            self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.finish()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None:
+            self._worker.forget(finished_req_ids)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            worker.close()
+        if self._client is not None:
+            self._client.close()
+
+    # ----- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build(scheduler_output)  # type: ignore[return-value]
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if self._scheduler is not None and invalid:
+            self._scheduler.load_failed(set(invalid))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request.request_id)
+        return False, None

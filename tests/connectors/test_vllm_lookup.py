@@ -1,0 +1,94 @@
+"""The vLLM connector's lookup channel (connectors/vllm_lookup.py), without vLLM: answers cross
+a real Unix socket; a dead, slow or garbled peer is a miss, never an exception or a hang."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from kvlayer.connectors import vllm_lookup
+from kvlayer.connectors.vllm_lookup import MISS, LookupClient, LookupServer, decode_request, encode_request
+
+
+@pytest.fixture
+def path(tmp_path):
+    return str(tmp_path / "l.sock")
+
+
+def test_requests_round_trip_and_answers_come_back(path) -> None:
+    seen = []
+
+    def answer(tokens, salt):
+        seen.append((tokens, salt))
+        return len(tokens) - 1, (0, 1, 1)
+
+    server = LookupServer(path, answer)
+    client = LookupClient(path, timeout_s=2)
+    try:
+        assert client.lookup([5, 6, 2**31 - 1], "tenant-a") == (2, (0, 1, 1))
+        assert client.lookup(list(range(5000)), None) == (4999, (0, 1, 1)), "one connection, many asks"
+        assert seen[0] == ([5, 6, 2**31 - 1], "tenant-a") and seen[1] == (list(range(5000)), None)
+    finally:
+        client.close()
+        server.close()
+    assert decode_request(encode_request([1, 2], "")[4:]) == ([1, 2], None)
+    with pytest.raises(ValueError, match="token ids must be"):
+        encode_request([-1], None)
+    with pytest.raises(ValueError, match="whole token ids"):
+        decode_request(struct.pack("<H", 0) + b"abc")
+
+
+def test_no_server_is_a_quick_miss_then_a_retry(path, monkeypatch) -> None:
+    monkeypatch.setattr(vllm_lookup, "RETRY_S", 0.2)
+    client = LookupClient(path, timeout_s=2)
+    start = time.monotonic()
+    assert client.lookup([1, 2, 3], None) == MISS
+    assert time.monotonic() - start < 1
+    server = LookupServer(path, lambda tokens, salt: (len(tokens), ()))
+    try:
+        assert client.lookup([1, 2, 3], None) == MISS, "within the retry delay it does not ask"
+        time.sleep(0.3)
+        assert client.lookup([1, 2, 3], None) == (3, ())
+    finally:
+        server.close()
+    time.sleep(0.3)
+    assert client.lookup([1, 2], None) == MISS, "a server gone mid-life is a miss"
+
+
+def test_a_slow_or_failing_answer_is_a_miss(path) -> None:
+    release = threading.Event()
+
+    def answer(tokens, salt):
+        if tokens == [9]:
+            raise RuntimeError("boom")
+        release.wait(5)
+        return 1, (0,)
+
+    server = LookupServer(path, answer)
+    client = LookupClient(path, timeout_s=0.2)
+    try:
+        assert client.lookup([9], None) == MISS, "the server's own failure answers a miss"
+        start = time.monotonic()
+        assert client.lookup([1], None) == MISS
+        assert time.monotonic() - start < 1, "bounded by the client's timeout"
+    finally:
+        release.set()
+        server.close()
+
+
+def test_a_garbled_request_closes_only_its_connection(path) -> None:
+    server = LookupServer(path, lambda tokens, salt: (len(tokens), ()))
+    try:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(path)
+        raw.sendall(struct.pack("<I", 3) + b"\x05\x00a")  # a salt longer than the request
+        raw.settimeout(2)
+        assert raw.recv(8) == b"", "the server hung up"
+        raw.close()
+        assert LookupClient(path, timeout_s=2).lookup([1, 2], None) == (2, ())
+    finally:
+        server.close()

@@ -1,0 +1,239 @@
+"""kvlayer inside vLLM's own engine (vLLM's CPU build): ``KVLayerConnectorV1`` end to end.
+
+Each engine runs in its own process (``tests/connectors/vllm_driver.py``, in-process vLLM mode
+for speed; one test runs vLLM's default multiprocessing mode, where the scheduler and the
+worker are separate processes). vLLM's own prefix caching is off unless a test says otherwise,
+so every hit is kvlayer's. Greedy tokens with kvlayer must equal vLLM's without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlayer.engine.presets import init_model
+from tests.redis_server import RedisServer, require_binary
+
+# vLLM is only ever imported by the driver's processes: importing it here would swap triton for
+# its placeholder (no CPU backend) in this process, under the Triton kernel tests' feet
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM's CPU build is installed by scripts/setup.sh test", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(900)  # a test may start several engines (6 s each; 30-60 s in multiprocessing mode)
+ROOT = Path(__file__).resolve().parents[2]
+CHUNK = 64  # kvlayer chunk: 2 vLLM blocks of 32
+
+
+def prompts(seed: int, lengths: list[int], prefix: list[int] | None = None) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    head = prefix or []
+    return [head + [rng.randrange(3, 1000) for _ in range(n - len(head))] for n in lengths]
+
+
+SHARED = prompts(1, [128])[0]
+PROMPTS = prompts(2, [150, 200, 300]) + prompts(3, [170, 260], prefix=SHARED)
+CONCURRENT = prompts(4, [140 + 5 * i for i in range(32)], prefix=SHARED)
+
+
+def hits(prompt: list[int]) -> int:
+    """The tokens kvlayer serves of ``prompt`` once stored: its full chunks, short of the last token."""
+    usable = len(prompt) - 1
+    return usable - usable % CHUNK
+
+
+def drive(spec: dict[str, Any], tmp: Path, mp: bool = False, background: bool = False) -> Any:
+    """Run one engine on ``spec``; its JSON result (or, ``background``, the process). The driver
+    runs in a session of its own, and ``result`` kills what is left of it (vLLM's engine-core and
+    worker processes in multiprocessing mode) once it has answered."""
+    path = tmp / f"spec-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0",
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "tests.connectors.vllm_driver", str(path)]
+    logs = Path(f"{path}.out"), Path(f"{path}.err")
+    with logs[0].open("w") as out, logs[1].open("w") as err:  # files: lingering children hold no pipe
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+    proc.logs = logs  # type: ignore[attr-defined]
+    return proc if background else result(proc)
+
+
+def result(proc: subprocess.Popen[bytes], timeout: float = 600) -> Any:
+    out, err = proc.logs  # type: ignore[attr-defined]
+    try:
+        proc.wait(timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = out.read_text().strip().splitlines()
+    assert proc.returncode == 0 and lines, f"the vLLM driver failed:\n{err.read_text()[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def tier(run: dict[str, Any], rnd: int, name: str) -> dict[str, Any]:
+    return run["rounds"][rnd]["stats"]["tiers"][name]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def llama(work) -> str:
+    return str(init_model("small", work / "llama", architecture="llama"))
+
+
+@pytest.fixture(scope="module")
+def baseline(llama, work) -> dict[str, Any]:
+    """vLLM alone: the reference tokens."""
+    return drive({"model": llama, "kvlayer": None, "rounds": [{"prompts": PROMPTS}, {"prompts": CONCURRENT},
+                                                              {"prompts": PROMPTS, "max_tokens": 24}]}, work)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(llama, work) -> dict[str, Any]:
+    cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
+    salted = {"prompts": PROMPTS[:2], "salts": ["tenant-a", "tenant-a"]}
+    return drive({"model": llama, "kvlayer": cfg, "rounds": [
+        {"prompts": PROMPTS}, {"prompts": PROMPTS}, {"prompts": CONCURRENT}, salted, salted]}, work)
+
+
+def test_cpu_tier_hits_give_vllms_own_tokens(baseline, cpu_run) -> None:
+    ref = baseline["rounds"][0]["tokens"]
+    first, second = cpu_run["rounds"][0], cpu_run["rounds"][1]
+    assert first["tokens"] == ref and second["tokens"] == ref
+    assert first["cached"] == [0] * len(PROMPTS), "vLLM's prefix caching is off: nothing cached at first"
+    assert second["cached"] == [hits(p) for p in PROMPTS], "vLLM counts kvlayer's hits as cached tokens"
+    assert tier(cpu_run, 1, "cpu")["hit_tokens"] - tier(cpu_run, 0, "cpu")["hit_tokens"] == sum(map(hits, PROMPTS))
+    assert tier(cpu_run, 0, "cpu")["put_chunks"] > 0
+
+
+def test_32_concurrent_requests_sharing_a_prefix(baseline, cpu_run) -> None:
+    rnd = cpu_run["rounds"][2]
+    assert rnd["tokens"] == baseline["rounds"][1]["tokens"]
+    assert all(c >= len(SHARED) for c in rnd["cached"]), "the shared prefix, stored by the earlier rounds, hits"
+
+
+def test_cache_salt_isolates_tenants(baseline, cpu_run) -> None:
+    first, again = cpu_run["rounds"][3], cpu_run["rounds"][4]
+    assert first["cached"] == [0, 0], "another tenant's chunks are not this tenant's"
+    assert again["cached"] == [hits(p) for p in PROMPTS[:2]]
+    assert first["tokens"] == again["tokens"] == baseline["rounds"][0]["tokens"][:2]
+
+
+@pytest.fixture(scope="module")
+def nvme_path(work) -> Path:
+    return work / "nvme"
+
+
+@pytest.fixture(scope="module")
+def nvme_run(llama, work, nvme_path) -> dict[str, Any]:
+    cfg = {"cpu_capacity": 0, "nvme_path": str(nvme_path), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
+    return drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
+
+
+def test_nvme_hits_are_exact_and_a_second_process_hits_at_once(baseline, nvme_run, llama, work, nvme_path) -> None:
+    ref = baseline["rounds"][0]["tokens"]
+    assert nvme_run["rounds"][0]["tokens"] == ref and nvme_run["rounds"][1]["tokens"] == ref
+    assert nvme_run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS]
+    assert tier(nvme_run, 1, "nvme")["hit_tokens"] == sum(map(hits, PROMPTS))
+    assert list(nvme_path.rglob("*.kvc")), "chunks are files on disk"
+    cfg = {"cpu_capacity": 0, "nvme_path": str(nvme_path), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
+    second = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}]}, work)
+    assert second["rounds"][0]["tokens"] == ref
+    assert second["rounds"][0]["cached"] == [hits(p) for p in PROMPTS], "its very first requests hit"
+
+
+def test_a_corrupted_chunk_file_is_a_miss_and_a_counter(baseline, nvme_run, llama, work, nvme_path) -> None:
+    files = sorted(nvme_path.rglob("*.kvc"))
+    for f in files:  # flip one byte in the middle of every chunk's KV
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    cfg = {"cpu_capacity": 0, "nvme_path": str(nvme_path), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
+    run = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}]}, work)
+    assert run["rounds"][0]["tokens"] == baseline["rounds"][0]["tokens"], "never wrong KV"
+    assert tier(run, 0, "nvme")["checksum_errors"] >= 1
+    assert tier(run, 0, "nvme")["hit_tokens"] == 0
+
+
+def test_a_redis_killed_mid_run_costs_hits_not_tokens(baseline, llama, work) -> None:
+    require_binary("redis-server")
+    with RedisServer() as server:
+        cfg = {"cpu_capacity": 0, "redis_url": server.url, "chunk_size": CHUNK, "tier_timeout_ms": 500}
+        gate = work / "redis-killed"
+        proc = drive({"model": llama, "kvlayer": cfg, "rounds": [
+            {"prompts": PROMPTS}, {"prompts": PROMPTS}, {"prompts": PROMPTS, "wait_for": str(gate)},
+            {"prompts": PROMPTS}]}, work, background=True)
+        deadline = time.monotonic() + 300
+        while not Path(str(gate) + ".ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the driver stopped before the gate"
+            time.sleep(0.1)
+        server.kill()
+        gate.touch()
+        run = result(proc)
+    ref = baseline["rounds"][0]["tokens"]
+    assert [r["tokens"] for r in run["rounds"]] == [ref] * 4
+    assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS], "Redis served hits while it lived"
+    assert run["rounds"][2]["cached"] == [0] * len(PROMPTS) == run["rounds"][3]["cached"]
+
+
+def test_preemption_with_a_kv_cache_too_small_for_the_batch(baseline, llama, work) -> None:
+    cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
+    run = drive({"model": llama, "kvlayer": cfg, "blocks": 24, "max_num_seqs": 8, "max_model_len": 512,
+                 "rounds": [{"prompts": PROMPTS, "max_tokens": 24}, {"prompts": PROMPTS, "max_tokens": 24}]}, work)
+    ref = baseline["rounds"][2]["tokens"]
+    assert "error" not in run, run.get("error")
+    assert run["rounds"][0]["tokens"] == ref and run["rounds"][1]["tokens"] == ref
+    assert run["preemptions"] > 0, "the 24-block cache must preempt requests"
+    assert tier(run, 1, "cpu")["hit_tokens"] > 0
+
+
+def test_vllms_prefix_cache_first_kvlayer_for_what_it_misses(baseline, llama, work) -> None:
+    cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
+    run = drive({"model": llama, "kvlayer": cfg, "prefix_caching": True,
+                 "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
+    assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == baseline["rounds"][0]["tokens"]
+    assert all(c > 0 for c in run["rounds"][1]["cached"])
+    assert tier(run, 1, "cpu")["hit_tokens"] == tier(run, 0, "cpu")["hit_tokens"], \
+        "vLLM's own cache held every block: kvlayer loaded nothing"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"cpu_capacity": "12XB"}, "cpu_capacity"),
+    ({"no_such_key": 1}, "unknown kvlayer config key 'no_such_key'"),
+    ({"chunk_size": 48}, "chunk_size 48 must be a multiple of vLLM's block_size 32"),
+])
+def test_a_bad_extra_config_stops_the_start_up_with_kvlayers_message(llama, work, extra, message) -> None:
+    run = drive({"model": llama, "kvlayer": extra, "rounds": []}, work)
+    assert "error" in run and message in run["error"]
+
+
+def test_scheduler_and_worker_in_separate_processes(baseline, llama, work) -> None:
+    """vLLM's default mode: the lookups cross the channel, the metadata is carried by vLLM."""
+    cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
+    run = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work, mp=True)
+    assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == baseline["rounds"][0]["tokens"]
+    assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS]
+
+
+def test_a_qwen2_model_with_qkv_biases(work) -> None:
+    qwen = str(init_model("small", work / "qwen2", architecture="qwen2"))
+    assert json.loads((Path(qwen) / "config.json").read_text())["model_type"] == "qwen2"
+    alone = drive({"model": qwen, "kvlayer": None, "rounds": [{"prompts": PROMPTS}]}, work)
+    cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
+    run = drive({"model": qwen, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
+    assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == alone["rounds"][0]["tokens"]
+    assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS]
