@@ -34,7 +34,7 @@ from kvlayer.connectors.base import (
 )
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
-from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, loads_layerwise
+from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, finish_saves, loads_layerwise
 from kvlayer.transfer import slot_mapping
 
 log = logging.getLogger(__name__)
@@ -209,15 +209,7 @@ class KVLayerConnector(KVConnectorBase):
         if load is not None:
             self._failed.update(load.failures())
         self._rolled_back.update(self._failed)
-        if save is None:
-            return
-        try:
-            if self.config.layerwise == "off":
-                for layer, cache in enumerate(self._caches):
-                    save.layer(layer, cache)
-            save.finish(self._failed)
-        except Exception:
-            log.exception("kvlayer: saving the step's chunks failed")
+        finish_saves(save, self._caches, self._failed, self.config.layerwise == "off")
 
     def _slots(self, block_ids: Sequence[int], end: int) -> torch.Tensor:
         return slot_mapping(block_ids, self.block_size, 0, end, self.device)

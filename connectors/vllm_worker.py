@@ -23,7 +23,7 @@ from kvlayer.connectors.vllm_lookup import Answer, LookupServer
 from kvlayer.connectors.vllm_meta import StepMetadata
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
-from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, loads_layerwise
+from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, finish_saves, loads_layerwise
 from kvlayer.transfer import slot_mapping
 
 log = logging.getLogger(__name__)
@@ -113,15 +113,7 @@ class WorkerSide:
         if load is not None:
             self._failed.update(load.failures())
         self._errors = self._failed_blocks()
-        if save is None:
-            return
-        try:
-            if self.config.layerwise == "off":
-                for i, view in enumerate(self._views):
-                    save.layer(i, view)
-            save.finish(self._failed)
-        except Exception:
-            log.exception("kvlayer: saving the step's chunks failed")
+        finish_saves(save, self._views, self._failed, self.config.layerwise == "off")
 
     def load_errors(self) -> set[int]:
         """The vLLM blocks of this step's loads that hold no valid KV (vLLM recomputes them)."""

@@ -219,6 +219,22 @@ class SaveJob:
             _release(objs)
 
 
+def finish_saves(save: SaveJob | None, caches: Sequence[torch.Tensor], failed: dict[str, int],
+                 copy_all: bool) -> None:
+    """End a step's saves after its forward pass: copy every layer of ``caches`` out first when
+    ``copy_all`` (``layerwise: off``), then ``save.finish(failed)``. Never raises: a failure here
+    costs the step's saves (logged), never the engine."""
+    if save is None:
+        return
+    try:
+        if copy_all:
+            for layer, cache in enumerate(caches):
+                save.layer(layer, cache)
+        save.finish(failed)
+    except Exception:
+        log.exception("kvlayer: saving the step's chunks failed")
+
+
 def loads_layerwise(mode: str, device: torch.device, tiers: TierManager, items: Sequence[LoadItem]) -> bool:
     """Whether a step's loads go layer by layer (``kvlayer.config.LAYERWISE``, ``mode``): ``on``;
     under ``auto``, on CUDA, or when a chunk comes from a tier not in memory (NVMe, Redis)."""
