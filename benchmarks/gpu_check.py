@@ -6,7 +6,8 @@
 2. Bandwidth: gather/scatter against a device-to-device ``copy_`` of the same bytes, and chunk
    GPU<->pinned-CPU transfers against a plain pinned ``copy_`` of the same bytes (goal: 80%).
 3. TTFT of a ~1B-parameter random Llama at 8k and 32k tokens: cold recompute against a hit
-   from kvlayer's CPU tier and from its GPU tier, through ``kvlayer.engine.LLM``.
+   from kvlayer's CPU tier and from its GPU tier, through ``kvlayer.engine.LLM``; then, where
+   vLLM's CUDA build is installed, kvlayer's connector inside vLLM (``gpu_check_vllm``).
 
 Prints one table and writes its rows as JSON to ``--out``. Exit status: 0 when every row
 passes, 1 when one fails, 2 without CUDA or triton. About 2-3 minutes on an H200, most of it
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from kvlayer.benchmarks.common import machine_info, positive_int, positive_ints, print_table, write_json
+from kvlayer.benchmarks.gpu_check_vllm import vllm_rows
 
 COLUMNS = ("section", "what", "measured", "reference", "unit", "ratio", "pass", "note")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -367,7 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_ttft:
         with tempfile.TemporaryDirectory(prefix="kvlayer-gpu-check-") as tmp:
             folder = Path(args.model_dir) if args.model_dir else Path(tmp) / "llama-1b"
-            rows += ttft_rows(str(write_model_1b(folder)), args)
+            model = str(write_model_1b(folder))
+            rows += ttft_rows(model, args)
+            rows += vllm_rows(model, MODEL_1B["vocab_size"], args, Row)
     title = f"kvlayer gpu_check: {machine_info('cuda')['gpu']} ({time.perf_counter() - started:.0f} s)"
     print_table(title, COLUMNS, table_rows(rows))
     result = report(rows, args, machine_info("cuda"))

@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "multi-round-qa", "multi_round_qa", "chat users over a working set > the engine's KV", home)
     _add_bench(bench, "long-doc-qa", "long_doc_qa", "documents queried again, hits from the lower tiers", home)
     _add_bench(bench, "miss-overhead", "miss_overhead", "kvlayer's TTFT overhead when nothing ever hits", home)
+    _add_bench(bench, "vllm", "vllm_bench", "TTFT inside vLLM: its own caches vs kvlayer's tiers", home)
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
     return p
 
