@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvlayer.connectors.vllm_lookup import LookupClient, socket_path
 from kvlayer.connectors.vllm_meta import StepMetadata
@@ -31,6 +32,25 @@ from kvlayer.connectors.vllm_setup import cache_layout, check_block_size, kvlaye
 from kvlayer.connectors.vllm_worker import WorkerSide
 
 log = logging.getLogger(__name__)
+
+
+class KVLayerStats(KVConnectorStats):
+    """kvlayer's counts for vLLM's connector stats (``vllm_worker.STAT_NAMES``): plain ints,
+    summed over steps and workers; vLLM logs them as "KV Transfer metrics"."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVLayerStats:
+        for name, n in other.data.items():
+            self.data[name] = self.data.get(name, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 class KVLayerConnectorV1(KVConnectorBase_V1):
@@ -113,6 +133,14 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVLayerStats | None:
+        counts = self._worker.take_stats() if self._worker is not None else {}
+        return KVLayerStats(data=counts) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLayerStats:
+        return KVLayerStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -11,6 +11,7 @@ loads (layer by layer on a loader thread, or all at once, as ``layerwise`` says)
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,9 @@ from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, finish_saves,
 from kvlayer.transfer import slot_mapping
 
 log = logging.getLogger(__name__)
+
+STAT_NAMES = ("lookups", "lookup_hit_tokens", "loaded_tokens", "failed_load_tokens", "saved_chunks")
+"""What the worker counts for vLLM's connector stats (``KVLayerConnectorV1.get_kv_connector_stats``)."""
 
 
 class WorkerSide:
@@ -48,6 +52,10 @@ class WorkerSide:
         self._save: SaveJob | None = None
         self._failed: dict[str, int] = {}
         self._errors: set[int] = set()
+        self._counts = {name: 0 for name in STAT_NAMES}  # since the last take_stats
+        self.totals = {name: 0 for name in STAT_NAMES}
+        """The same counts since start-up."""
+        self._counts_lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-load")
         self._server = LookupServer(socket, self._answer)
         self._agent: Any = None
@@ -65,6 +73,7 @@ class WorkerSide:
     # --- the lookup channel's answers (its own threads) -------------------------------------
     def _answer(self, token_ids: list[int], salt: str | None) -> Answer:
         found = self.kv.find(self.kv.keys(token_ids, salt))
+        self._count(lookups=1, lookup_hit_tokens=found.num_tokens)
         return found.num_tokens, found.sources
 
     # --- one step -----------------------------------------------------------------------------
@@ -113,11 +122,27 @@ class WorkerSide:
         if load is not None:
             self._failed.update(load.failures())
         self._errors = self._failed_blocks()
+        loaded = sum(self._failed.get(ld.request_id, ld.end) - ld.start for ld in self._meta.loads)
+        wanted = sum(ld.end - ld.start for ld in self._meta.loads)
+        self._count(loaded_tokens=max(0, loaded), failed_load_tokens=wanted - max(0, loaded),
+                    saved_chunks=len(save) if save is not None else 0)
         finish_saves(save, self._views, self._failed, self.config.layerwise == "off")
 
     def load_errors(self) -> set[int]:
         """The vLLM blocks of this step's loads that hold no valid KV (vLLM recomputes them)."""
         return set(self._errors)
+
+    def take_stats(self) -> dict[str, int]:
+        """The counts (``STAT_NAMES``) since the last call, for vLLM's connector stats; {} if none."""
+        with self._counts_lock:
+            counts, self._counts = self._counts, {name: 0 for name in STAT_NAMES}
+        return counts if any(counts.values()) else {}
+
+    def _count(self, **deltas: int) -> None:
+        with self._counts_lock:
+            for name, n in deltas.items():
+                self._counts[name] += n
+                self.totals[name] += n
 
     def forget(self, request_ids: set[str]) -> None:
         """Drop what is kept for finished requests (their keys)."""

@@ -118,6 +118,9 @@ def test_cpu_tier_hits_give_vllms_own_tokens(baseline, cpu_run) -> None:
     assert second["cached"] == [hits(p) for p in PROMPTS], "vLLM counts kvlayer's hits as cached tokens"
     assert tier(cpu_run, 1, "cpu")["hit_tokens"] - tier(cpu_run, 0, "cpu")["hit_tokens"] == sum(map(hits, PROMPTS))
     assert tier(cpu_run, 0, "cpu")["put_chunks"] > 0
+    counts = [r["stats"]["connector"] for r in cpu_run["rounds"][:2]]  # what vLLM's connector stats report
+    assert counts[1]["loaded_tokens"] - counts[0]["loaded_tokens"] == sum(map(hits, PROMPTS))
+    assert counts[1]["failed_load_tokens"] == 0 and counts[0]["saved_chunks"] == tier(cpu_run, 0, "cpu")["put_chunks"]
 
 
 def test_32_concurrent_requests_sharing_a_prefix(baseline, cpu_run) -> None:
@@ -167,6 +170,7 @@ def test_a_corrupted_chunk_file_is_a_miss_and_a_counter(baseline, nvme_run, llam
     assert run["rounds"][0]["tokens"] == baseline["rounds"][0]["tokens"], "never wrong KV"
     assert tier(run, 0, "nvme")["checksum_errors"] >= 1
     assert tier(run, 0, "nvme")["hit_tokens"] == 0
+    assert run["rounds"][0]["stats"]["connector"]["failed_load_tokens"] > 0, "reported to vLLM, which recomputed"
 
 
 def test_a_redis_killed_mid_run_costs_hits_not_tokens(baseline, llama, work) -> None:
@@ -237,3 +241,13 @@ def test_a_qwen2_model_with_qkv_biases(work) -> None:
     run = drive({"model": qwen, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
     assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == alone["rounds"][0]["tokens"]
     assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS]
+
+
+def test_kvlayers_counts_aggregate_as_vllms_connector_stats() -> None:
+    """vLLM sums the workers' ``KVLayerStats`` and logs ``reduce()`` (run where vLLM may be imported)."""
+    code = ("import json; from kvlayer.connectors.vllm_v1 import KVLayerConnectorV1 as C, KVLayerStats as S; "
+            "a = C.build_kv_connector_stats({'loaded_tokens': 3}); b = S(data={'loaded_tokens': 4, 'lookups': 1}); "
+            "print(json.dumps([a.aggregate(b).reduce(), S().is_empty(), a.is_empty()]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [{"loaded_tokens": 7, "lookups": 1}, True, False]

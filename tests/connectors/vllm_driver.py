@@ -38,7 +38,7 @@ def _stats() -> dict[str, Any] | None:
     if worker is None:
         return None
     worker.kv.flush()
-    return worker.kv.stats()
+    return {**worker.kv.stats(), "connector": dict(worker.totals)}
 
 
 def _wait(path: str) -> None:
