@@ -1,9 +1,8 @@
 """Copies between the engine's paged KV cache and kvlayer chunks: gathers and scatters.
 
 A paged cache is one tensor per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``, the
-engine's own or a strided view of it (``KVLayout.paged_view``, e.g. of vLLM's CPU layout, where
-blocks are indexed as blocks and offsets); ``slots`` (int64, on the caches' device) names the
-cache slot of each chunk token. Each call
+engine's own or a view of it (``KVLayout.paged_view``: for opaque blocks, one row per block);
+``slots`` (int64, on the caches' device) names the cache slot (or block) of each chunk row. Each call
 runs the Triton kernels of ``kvlayer.kernels.copy_ops`` when ``use_triton`` says so (default:
 the caches are on CUDA and triton is installed), else the torch code below, which runs on any
 device. A chunk in host memory while the caches are on the GPU goes through a device staging
@@ -44,20 +43,9 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
     return (table[pos // block_size] * block_size + pos % block_size).to(device)
 
 
-def _flat(cache: torch.Tensor) -> torch.Tensor | None:
-    """``cache`` ``[2, blocks, block_size, kv_heads, head_dim]`` as ``[2, slots, kv_heads, head_dim]``,
-    or None where blocks and their tokens are not one stride apart (e.g. vLLM's CPU layout)."""
+def _flat(cache: torch.Tensor) -> torch.Tensor:
     two, blocks, bs, heads, dim = cache.shape
-    try:
-        return cache.view(two, blocks * bs, heads, dim)
-    except RuntimeError:
-        return None
-
-
-def _at(cache: torch.Tensor, slots: torch.Tensor) -> tuple[slice, torch.Tensor, torch.Tensor]:
-    """The index of ``slots`` in a ``cache`` that ``_flat`` cannot view: block and offset."""
-    bs = cache.shape[2]
-    return slice(None), torch.div(slots, bs, rounding_mode="floor"), slots % bs
+    return cache.view(two, blocks * bs, heads, dim)
 
 
 _WIDE = torch.complex128
@@ -85,7 +73,7 @@ def _use_triton(use_triton: bool | None, cache: torch.Tensor) -> bool:
     """The explicit choice, else whether ``cache`` is on CUDA with triton installed."""
     if use_triton is not None:
         return use_triton
-    return cache.is_cuda and triton_available() and _flat(cache) is not None
+    return cache.is_cuda and triton_available()
 
 
 def _direct(chunk: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -104,9 +92,7 @@ def gather_layer(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
         _gather_staged(copy_ops.gather_layer, cache, cache, slots, out)
         return
     flat = _flat(cache)
-    if flat is None:
-        out.copy_(cache[_at(cache, slots)], non_blocking=True)
-    elif out.device == flat.device and out.is_contiguous():
+    if out.device == flat.device and out.is_contiguous():
         torch.index_select(flat, 1, slots, out=out)
     else:
         out.copy_(flat.index_select(1, slots), non_blocking=True)
@@ -122,9 +108,6 @@ def scatter_layer(chunk_layer: torch.Tensor, cache: torch.Tensor, slots: torch.T
         copy_ops.scatter_layer(src if _direct(src, cache) else src.contiguous(), cache, slots)
         return
     flat = _flat(cache)
-    if flat is None:
-        cache[_at(cache, slots)] = src
-        return
     big = flat.is_cpu and src.numel() * src.element_size() >= _WIDE_MIN_BYTES
     wide_cache, wide_src = (_wide(flat), _wide(src)) if big else (None, None)
     if wide_cache is not None and wide_src is not None:
@@ -192,8 +175,7 @@ class CopyPlan:
         if not cache.is_cpu or _use_triton(self._use_triton, cache):
             return None
         self._wide_layers()
-        flat = _flat(cache)
-        return None if flat is None else _wide(flat)
+        return _wide(_flat(cache))
 
     def _scatter_wide(self, layer: int, cache: torch.Tensor, dst: torch.Tensor, pieces: Iterable[int]) -> None:
         """Layer ``layer`` of ``pieces`` into ``cache`` (its 16-byte view ``dst``), from this thread."""
@@ -235,10 +217,6 @@ class CopyPlan:
                 gather_layer(cache, slots, layers[layer], self._use_triton)
             return
         flat = _flat(cache)
-        if flat is None:
-            for layers, slots in zip(self._layers, self._slots):
-                gather_layer(cache, slots, layers[layer], False)
-            return
         for layers, slots in zip(self._layers, self._slots):
             out = layers[layer]
             if out.is_cpu and out.is_contiguous():
