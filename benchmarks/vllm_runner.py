@@ -58,14 +58,19 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int, int]:
     return time.perf_counter() - start, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0])
 
 
-def _flush() -> None:
-    """Wait for kvlayer's background writes (NVMe, Redis) where its worker is in this process."""
+def in_process_worker() -> Any:
+    """kvlayer's ``WorkerSide`` of the vLLM engine in this process (in-process vLLM mode), or None."""
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        worker = getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
+        return getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
     except Exception:
-        return
+        return None
+
+
+def _flush() -> None:
+    """Wait for kvlayer's background writes (NVMe, Redis) where its worker is in this process."""
+    worker = in_process_worker()
     if worker is not None:
         worker.kv.flush()
 

@@ -11,7 +11,6 @@ names the backend, its ISA and the block size. Nothing here imports vLLM except 
 
 from __future__ import annotations
 
-import os
 import platform
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,5 +72,5 @@ def _cpu_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return str(_get_attn_isa(dtype, block_size, head_size))
-    except Exception:  # another vLLM version: name the CPU instead, never guess a shared packing
-        return "unknown-" + os.uname().machine
+    except Exception:  # another vLLM version: never guess a packing shared with a known one
+        return "unknown"

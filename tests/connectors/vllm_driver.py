@@ -21,20 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def _worker() -> Any:
-    """The in-process worker connector's ``WorkerSide`` (None in multiprocessing mode)."""
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        return getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
-    except Exception:
-        return None
+from kvlayer.benchmarks.vllm_runner import in_process_worker
 
 
 def _stats() -> dict[str, Any] | None:
     """The worker's kvlayer stats once its background writes are done (None if out of reach)."""
-    worker = _worker()
+    worker = in_process_worker()
     if worker is None:
         return None
     worker.kv.flush()
