@@ -226,8 +226,10 @@ class MemoryTier(StorageBackend):
         return list(self._index)
 
     def stats(self) -> dict[str, int]:
-        """evictions, skipped_full (puts that found no room), tokens_mismatches, chunks."""
-        return {**self._counts, "chunks": len(self._index)}
+        """evictions, skipped_full (puts that found no room), tokens_mismatches, chunks, and
+        borrowed: stored chunks somebody else still references (a load in flight; 0 between steps)."""
+        borrowed = sum(1 for e in list(self._index.values()) if e.obj.ref_count > 1)
+        return {**self._counts, "chunks": len(self._index), "borrowed": borrowed}
 
     @property
     def arena(self) -> Arena:

@@ -7,13 +7,20 @@ previous answer). The engine's KV capacity (just over one request) and kvlayer's
 from NVMe or Redis. Reports TTFT, hit rate per tier and the share of repeated-document
 tokens that kvlayer served (goal: >= 90% for the configurations with NVMe or Redis).
 
-Example: ``kvlayer bench long-doc-qa --configs recompute,cpu+nvme,nvme --plot ldqa.png``
+With ``--endpoint URL`` the same queries go to an OpenAI-compatible server instead (``kvlayer
+serve``, ``vllm serve`` ...) over HTTP on the wall clock, and ``repeat: cached`` is the share of
+repeated-document tokens the server reported cached; the in-process flags (``--configs``, the
+tier capacities, ``--layerwise``, ``--device``) are refused then: one run per server, named by
+``--label`` (benchmarks/http_bench.py).
+
+Example: ``kvlayer bench long-doc-qa --configs recompute,cpu+nvme,nvme --plot ldqa.png``;
+over HTTP: ``kvlayer bench long-doc-qa --endpoint http://127.0.0.1:8000 --model MODEL_DIR --label ours``
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlayer.benchmarks.common import (
     add_plot_argument,
@@ -30,10 +37,17 @@ from kvlayer.benchmarks.common import (
     write_json,
 )
 from kvlayer.benchmarks.configs import add_config_arguments, factory_from_args, parse_configs
+from kvlayer.benchmarks.http_bench import HttpWorkload, add_http_arguments, http_mode, run_http
 from kvlayer.benchmarks.serving import EngineSize, hit_columns, plot_sources, request_rows, serve
-from kvlayer.benchmarks.workloads import DocQueries, LongDocSpec
+from kvlayer.benchmarks.workloads import DocQueries, LongDocSpec, Turn
+
+if TYPE_CHECKING:
+    from kvlayer.benchmarks.http_driver import HttpRecord
 
 GOAL_REUSE = 0.9
+IN_PROCESS = ("configs", "chunk_size", "cpu_capacity", "nvme_capacity", "cache_dir", "redis_url", "layerwise",
+              "device")
+"""The flags of the in-process mode only (refused with ``--endpoint``)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,11 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p, "recompute,engine,cpu,cpu+nvme,nvme,redis", cpu_capacity="auto")
     add_plot_argument(p)
+    add_http_arguments(p, IN_PROCESS)
 
 
 def main(args: argparse.Namespace) -> int:
     spec = LongDocSpec(args.docs, args.doc_tokens, args.queries, args.question_tokens, args.answer_tokens,
                        args.seed)
+    if http_mode(args):
+        return run_http(args, http_workload(spec), IN_PROCESS)
     names = parse_configs(args.configs)
     model = args.model or default_model(args.home, "bench")
     need = -(-spec.request_tokens() // 16)
@@ -92,6 +109,27 @@ def reuse(spec: LongDocSpec, queries: DocQueries, records: list[Any]) -> dict[st
     eng = sum(min(r.num_cached, spec.doc_tokens) for r in repeated)
     return {"repeated_queries": len(repeated), "repeated_doc_tokens": total,
             "from_kvlayer": kv / total if total else None, "from_engine": eng / total if total else None}
+
+
+def http_workload(spec: LongDocSpec) -> HttpWorkload:
+    """The queries of ``main``'s in-process run, for the HTTP mode (one user, one at a time)."""
+    def build(vocab: int) -> tuple[DocQueries, list[Turn], list[Turn]]:
+        queries = DocQueries(spec, vocab)
+        return queries, [], queries.turns()
+
+    setup = (f"{spec.docs} documents x {spec.doc_tokens} tokens, {spec.queries} queries each (question "
+             f"{spec.question_tokens}, answer {spec.answer_tokens}), one at a time")
+    return HttpWorkload("long-doc-qa", 1, spec.answer_tokens, build, setup,
+                        lambda queries, records: http_reuse(spec, queries, records))
+
+
+def http_reuse(spec: LongDocSpec, queries: DocQueries, records: list[HttpRecord]) -> dict[str, float | None]:
+    """Of the document tokens of repeated queries that succeeded with cached tokens reported:
+    the share the server reported cached (None when there are none)."""
+    repeated = [r for r in records if queries.repeated(r.turn.index) and r.result.cached_tokens is not None]
+    total = spec.doc_tokens * len(repeated)
+    cached = sum(min(r.result.cached_tokens or 0, spec.doc_tokens) for r in repeated)
+    return {"repeat: cached": cached / total if total else None}
 
 
 def report(results: list[dict[str, Any]], record: dict[str, Any]) -> None:

@@ -15,7 +15,14 @@ cache still on) and serve the users' histories. The CPU tier defaults to half th
 set, so NVMe serves as well. Goal (``cpu+nvme`` against ``engine``, working set >= 4x the
 engine's KV): mean TTFT >= 10x lower and generated tokens/s >= 3x higher; the ratios are printed.
 
-Example: ``kvlayer bench multi-round-qa --configs engine,cpu+nvme --plot mrqa.png``
+With ``--endpoint URL`` the same users and arrivals go to an OpenAI-compatible server instead
+(``kvlayer serve``, ``vllm serve`` ...) as concurrent HTTP clients on the wall clock; the
+in-process flags (``--configs``, ``--clock``, ``--engine-kv-tokens``, the tier capacities,
+``--layerwise``, ``--device``) are refused then: one run per server, named by ``--label``
+(benchmarks/http_bench.py).
+
+Example: ``kvlayer bench multi-round-qa --configs engine,cpu+nvme --plot mrqa.png``;
+over HTTP: ``kvlayer bench multi-round-qa --endpoint http://127.0.0.1:8000 --vocab 32000 --label ours``
 """
 
 from __future__ import annotations
@@ -41,11 +48,15 @@ from kvlayer.benchmarks.common import (
 )
 from kvlayer.benchmarks.configs import add_config_arguments, factory_from_args, parse_configs
 from kvlayer.benchmarks.driver import CLOCKS
+from kvlayer.benchmarks.http_bench import HttpWorkload, add_http_arguments, http_mode, run_http
 from kvlayer.benchmarks.serving import EngineSize, hit_columns, plot_sources, request_rows, serve
 from kvlayer.benchmarks.stats import ratio
 from kvlayer.benchmarks.workloads import ChatSessions, MultiRoundSpec
 
 GOAL_TTFT_X, GOAL_TOKS_X, GOAL_WORKING_SET_X = 10.0, 3.0, 4.0
+IN_PROCESS = ("configs", "chunk_size", "cpu_capacity", "nvme_capacity", "cache_dir", "redis_url", "layerwise",
+              "clock", "engine_kv_tokens", "device")
+"""The flags of the in-process mode only (refused with ``--endpoint``)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p, "recompute,engine,cpu,cpu+nvme,nvme,redis", cpu_capacity="auto")
     add_plot_argument(p)
+    add_http_arguments(p, IN_PROCESS)
 
 
 def engine_size(spec: MultiRoundSpec, kv_tokens: int) -> EngineSize:
@@ -83,6 +95,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup-rounds must be below --rounds ({args.rounds}), got {args.warmup_rounds}")
     spec = MultiRoundSpec(args.users, args.rounds, args.system_tokens, args.history_tokens,
                           args.question_tokens, args.answer_tokens, args.seed)
+    if http_mode(args):
+        return run_http(args, http_workload(spec, args.rate, args.warmup_rounds), IN_PROCESS)
     names = parse_configs(args.configs)
     size = engine_size(spec, args.engine_kv_tokens)
     warmup, turns = spec.turns(args.rate, args.warmup_rounds)
@@ -115,6 +129,16 @@ def main(args: argparse.Namespace) -> int:
     write_json(args.json, record)
     plot(args.plot, results, records, record)
     return 0
+
+
+def http_workload(spec: MultiRoundSpec, rate: float, warmup_rounds: int) -> HttpWorkload:
+    """The users and arrivals of ``main``'s in-process run, for the HTTP mode."""
+    warmup, turns = spec.turns(rate, warmup_rounds)
+    setup = (f"{spec.users} users x {spec.rounds} rounds ({warmup_rounds} warm-up) at {rate:g} req/s Poisson, "
+             f"system {spec.system_tokens} + history {spec.history_tokens} tokens, questions "
+             f"{spec.question_tokens}, answers {spec.answer_tokens}")
+    return HttpWorkload("multi-round-qa", spec.users, spec.answer_tokens,
+                        lambda vocab: (ChatSessions(spec, vocab), warmup, turns), setup)
 
 
 def report(results: list[dict[str, Any]], record: dict[str, Any]) -> dict[str, Any]:

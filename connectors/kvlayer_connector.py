@@ -218,7 +218,14 @@ class KVLayerConnector(KVConnectorBase):
         return dict(self._failed)
 
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
+        """Forget the request (finished, or aborted between steps): every save of it is done."""
+        self._reqs.pop(request.request_id, None)
         return False
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests whose keys and progress this connector still holds (0 once all finished)."""
+        return len(self._reqs)
 
     def stats(self) -> dict[str, Any]:
         return self.kv.stats()

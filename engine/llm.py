@@ -141,6 +141,24 @@ class LLMEngine:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
         raise ValueError(f"a prompt is a string or a dict, got {type(prompt).__name__}")
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop ``request_id`` between steps, finished with reason ``"abort"``: its blocks go back
+        to the block manager (cached prefix blocks stay cached, unreferenced) and the connector
+        forgets it, as for any finished request. Returns whether it was unfinished."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held)
 

@@ -135,9 +135,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def find(self, request_id: str) -> Sequence | None:
+        """The unfinished sequence of ``request_id`` (waiting or running), or None."""
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark ``seq`` finished; its blocks are freed by the caller (maybe after a save)."""
+        """Mark ``seq`` finished (running or waiting: an abort may take either); its blocks are
+        freed by the caller (maybe after a save)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.times.finish_time = time.perf_counter()
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)

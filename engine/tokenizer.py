@@ -51,9 +51,10 @@ class Tokenizer:
         """Number of token ids the tokenizer can produce (special tokens included)."""
         return self._inner.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (adding whatever special tokens the tokenizer's post-processor adds)."""
-        return self._inner.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with whatever special tokens the tokenizer's post-processor adds
+        unless ``add_special_tokens`` is False (a chat template places its own)."""
+        return self._inner.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``, special tokens skipped."""

@@ -18,6 +18,8 @@ FORBIDDEN = {
     "backends": ("kvlayer.engine", "kvlayer.connectors", "kvlayer.controller", "kvlayer.benchmarks"),
     "controller": ("kvlayer.engine", "kvlayer.connectors", "kvlayer.backends", "kvlayer.benchmarks"),
     "connectors": ("kvlayer.engine", "kvlayer.benchmarks"),
+    "serving": ("kvlayer.backends", "kvlayer.controller", "kvlayer.benchmarks", "kvlayer.cache_engine",
+                "kvlayer.tier_manager", "kvlayer.connectors.kvlayer_connector"),
 }
 # The CLI is the composition root: it wires every part together, lazily, per subcommand.
 EXEMPT = {ROOT / "kvlayer" / "cli.py"}

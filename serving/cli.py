@@ -1,0 +1,162 @@
+"""``kvlayer serve``: the bundled engine behind an OpenAI-compatible HTTP server (docs/serving.md).
+
+``add_command(subparsers)`` adds the command to the ``kvlayer`` parser; FastAPI, uvicorn and
+the engine are imported only when it runs. The port is bound before the model loads, so a
+port in use is a one-line error at once. kvlayer's config comes from ``--kv-config`` and the
+``KVLAYER_*`` variables (``--no-kvlayer``: the engine alone); with ``controller_url`` and no
+``instance_address`` the server registers its own base URL (``http://HOST:PORT``) as the
+instance's address, for routing. SIGTERM or SIGINT stop taking connections, let running
+requests finish, flush kvlayer's writes and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the bundled engine, with kvlayer")
+    s.add_argument("--model", required=True, help="model folder (config.json + safetensors [+ tokenizer.json])")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    s.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any free one (default: %(default)s)")
+    s.add_argument("--kv-config", help="kvlayer YAML config (default: kvlayer's defaults; KVLAYER_* variables apply)")
+    s.add_argument("--no-kvlayer", action="store_true", help="serve the engine alone (its own prefix cache only)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
+    s.add_argument("--api-key-file", help="file of accepted API keys, one per line; /v1/* then needs "
+                                          "'Authorization: Bearer KEY'")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    s.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on the CPU, "
+                                                 "bfloat16 on CUDA)")
+    s.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: %(default)s)")
+    s.add_argument("--kv-cache-memory", default=None, help="the engine's KV cache size, e.g. 2GiB (default: 1GiB)")
+    s.add_argument("--max-num-seqs", type=_positive, default=64, help="most requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=_positive, default=4096, help="most tokens in one step")
+    s.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+    s.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's own prefix cache off")
+    s.add_argument("--max-waiting", type=_positive, default=256,
+                   help="queued requests past which new ones get 503 (default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=_positive, default=16 * 1024**2,
+                   help="largest request body accepted; larger ones get 413 (default: %(default)s)")
+    s.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
+    return value
+
+
+def read_api_keys(path: str) -> list[str]:
+    """The keys in ``path``: one per line, blank lines and ``#`` comments skipped; ValueError
+    when there is none."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ValueError(f"--api-key-file {path}: no key in the file")
+    return keys
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    return sock
+
+
+def base_url(host: str, port: int) -> str:
+    """The URL clients and the controller reach this server at (the host's name when bound to all addresses)."""
+    name = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+    return f"http://[{name}]:{port}" if ":" in name else f"http://{name}:{port}"
+
+
+def _kv_config(args: argparse.Namespace, url: str) -> Any:
+    if args.no_kvlayer:
+        return None
+    from kvlayer.config import KVLayerConfig
+
+    config = KVLayerConfig.load(args.kv_config)
+    if config.controller_url and not config.instance_address:
+        config = config.replace(instance_address=url)
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    keys = read_api_keys(args.api_key_file) if args.api_key_file else []
+    sock = _bind(args.host, args.port)
+    try:
+        return _serve(args, sock, keys)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> int:
+    import uvicorn
+
+    from kvlayer.engine.llm import LLM
+    from kvlayer.serving.app import build_app
+    from kvlayer.serving.chat import ChatTemplate
+    from kvlayer.serving.completions import ServerState
+    from kvlayer.serving.engine_loop import AsyncEngine
+    from kvlayer.serving.metrics import ServingMetrics
+
+    port = sock.getsockname()[1]
+    url = base_url(args.host, port)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, kv_config=_kv_config(args, url))
+    engine = llm.engine
+    kv = getattr(engine.connector, "kv", None)
+    metrics = ServingMetrics(getattr(kv, "metrics", None))
+    loop = AsyncEngine(engine, args.max_waiting, after_step=metrics.after_step)
+    name = args.served_model_name or args.model
+    state = ServerState(loop, name, engine.tokenizer, ChatTemplate.from_dir(args.model), metrics,
+                        engine.model_config.vocab_size, engine.max_model_len)
+    app = build_app(state, keys, args.max_body_bytes)
+    config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                            access_log=False, timeout_graceful_shutdown=None)
+    server = uvicorn.Server(config)
+    print(f"kvlayer serve: {name!r} at {url} (kvlayer {'off' if kv is None else 'on'})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has drained, with the handler it
+    # found installed: a drained server then exits 0, not by the signal's default action.
+    stopped_by: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _frame: stopped_by.append(number))
+    server.run(sockets=[sock])
+    if stopped_by:
+        print(f"kvlayer serve: drained and stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)
+    if not server.started:
+        loop.close_unstarted()
+        return 1
+    return 0
