@@ -218,7 +218,10 @@ SMOKE: dict[str, list[str]] = {
 
 
 def _smoking(argv: list[str]) -> bool:
-    return os.environ.get("KVLAYER_SMOKE") == "1" and len(argv) >= 2 and argv[0] == "bench" and argv[1] in SMOKE
+    """Whether to shrink this command: a documented in-process bench under ``KVLAYER_SMOKE=1``
+    (a run against ``--endpoint`` is sized by its own flags and refuses the in-process ones)."""
+    return (os.environ.get("KVLAYER_SMOKE") == "1" and len(argv) >= 2 and argv[0] == "bench" and argv[1] in SMOKE
+            and not any(w == "--endpoint" or w.startswith("--endpoint=") for w in argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
