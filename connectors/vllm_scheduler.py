@@ -10,6 +10,7 @@ vLLM for a missing worker: that is a miss.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,6 +34,14 @@ class _Tracked:
     matched: tuple[int, int] = (0, 0)
     sources: tuple[int, ...] = ()
     load: tuple[int, int] | None = None
+    answer: tuple[int, float, Answer] | None = None
+    """The last lookup: (token count, when, answer), reused while the request waits."""
+
+
+REUSE_LOOKUP_S = 1.0
+"""How long a waiting request's lookup is reused: vLLM asks again at every step until it can
+admit the request, and the answer rarely changes within a second (a chunk evicted meanwhile
+is a failed load, recomputed)."""
 
 
 class SchedulerSide:
@@ -46,12 +55,18 @@ class SchedulerSide:
 
     def matched(self, request: Any, num_computed: int) -> int:
         """How many tokens after vLLM's own ``num_computed`` kvlayer can load for ``request``:
-        whole blocks, never the last prompt token. Repeatable (the last call counts)."""
+        whole blocks, never the last prompt token. Repeatable (the last call counts); the
+        worker is asked again only after ``REUSE_LOOKUP_S`` or an allocation."""
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Tracked(request, [])
         tokens = request.all_token_ids
-        found, sources = self._lookups.lookup(tokens, request.cache_salt)
+        now = time.monotonic()
+        if st.answer is not None and st.answer[0] == len(tokens) and now - st.answer[1] < REUSE_LOOKUP_S:
+            found, sources = st.answer[2]
+        else:
+            found, sources = self._lookups.lookup(tokens, request.cache_salt)
+            st.answer = (len(tokens), now, (found, sources))
         usable = min(found, len(tokens) - 1)
         usable -= usable % self.block_size
         st.matched, st.sources = (num_computed, usable), sources
@@ -63,6 +78,7 @@ class SchedulerSide:
         if st is None:
             return
         st.block_ids = list(block_ids)
+        st.answer = None
         if num_external > 0:
             start = st.matched[0]
             st.load = (start, start + num_external)

@@ -52,6 +52,26 @@ def test_a_hit_is_whole_blocks_after_vllms_own_and_never_the_last_token() -> Non
     assert s2.matched(request("b", 16), 0) == 0
 
 
+def test_a_waiting_request_is_looked_up_once_per_interval(monkeypatch) -> None:
+    from kvlayer.connectors import vllm_scheduler
+
+    clock = [100.0]
+    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
+    s, lookups = side(found=16)
+    r = request("a", 20)
+    for _ in range(5):  # vLLM asks at every step while the request waits
+        assert s.matched(r, 0) == 16
+    assert len(lookups.asked) == 1
+    clock[0] += vllm_scheduler.REUSE_LOOKUP_S
+    lookups.found = 8
+    assert s.matched(r, 0) == 8 and len(lookups.asked) == 2, "a stale answer is asked again"
+    s.allocated(r, [1, 2, 3, 4, 5], 8)
+    assert s.matched(r, 0) == 8 and len(lookups.asked) == 3, "after an allocation, asked again"
+    r.all_token_ids.append(7)
+    s.matched(r, 0)
+    assert len(lookups.asked) == 4, "more tokens, asked again"
+
+
 def test_a_step_lists_the_granted_load_and_the_chunks_it_completes() -> None:
     s, _ = side(found=16)
     r = request("a", 20)
