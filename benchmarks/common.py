@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvlayer.flags import positive_float as positive_float  # re-exported: the benchmarks' flag types
 from kvlayer.sizes import parse_size
 
 
@@ -200,17 +201,6 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
     """An integer >= 0."""
     return _checked(lambda: _integer(text, 0))
-
-
-def positive_float(text: str) -> float:
-    """A number > 0 (``inf`` allowed)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def positive_ints(text: str) -> list[int]:

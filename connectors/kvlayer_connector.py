@@ -222,6 +222,12 @@ class KVLayerConnector(KVConnectorBase):
         self._reqs.pop(request.request_id, None)
         return False
 
+    def flush_writes(self, timeout: float) -> bool:
+        """Wait until every chunk saved so far is written to every tier (a prefill instance
+        does this before a decode instance reads its KV from the shared tier); False if
+        ``timeout`` seconds passed first. Callable from any thread."""
+        return self.kv.flush(timeout)
+
     @property
     def num_tracked_requests(self) -> int:
         """Requests whose keys and progress this connector still holds (0 once all finished)."""

@@ -95,7 +95,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             matches = matches[: request.limit]
         return pb.LookupResponse(num_tokens=len(tokens), matches=[
             pb.InstanceMatch(instance_id=m.instance_id, address=m.address, cached_tokens=m.cached_tokens,
-                             local_tokens=m.local_tokens,
+                             local_tokens=m.local_tokens, role=m.role,
                              tiers=[pb.TierMatch(tier=t, prefix_tokens=n) for t, n in m.per_tier.items()])
             for m in matches])
 
@@ -257,7 +257,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
     def _info(self, entry: Instance) -> pb.InstanceInfo:
         spec = entry.spec
         return pb.InstanceInfo(
-            instance_id=spec.instance_id, address=spec.address, state=_STATES[entry.state],
+            instance_id=spec.instance_id, address=spec.address, state=_STATES[entry.state], role=spec.role,
             namespace=wire.namespace_to_wire(spec.namespace, spec.save_partial_chunks),
             tiers=[wire.tier_to_wire(t) for t in spec.tiers], last_seen_s=self._registry.seen_ago(entry),
             chunks=sum(self._registry.chunk_count(entry, t.name) for t in spec.tiers))

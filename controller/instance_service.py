@@ -93,8 +93,8 @@ class InstanceServicer(pb_grpc.InstanceServiceServicer):
         if old is not None:
             old.close("replaced by a new connection of the same instance")
         session = self._sessions[spec.instance_id] = Session(spec.instance_id)
-        log.info("controller: instance %s registered (%s, tiers %s)", spec.instance_id,
-                 spec.namespace.model_name, ", ".join(t.name for t in spec.tiers))
+        log.info("controller: instance %s registered (%s, role %s, tiers %s)", spec.instance_id,
+                 spec.namespace.model_name, spec.role, ", ".join(t.name for t in spec.tiers))
         return entry, session
 
     async def _read(self, it: AsyncIterator[pb.InstanceMessage], entry: Instance, session: Session) -> None:

@@ -47,13 +47,15 @@ class TierSpec:
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """What an instance registers: how its keys are computed and which tiers it has (top first)."""
+    """What an instance registers: how its keys are computed, which tiers it has (top first) and its
+    ``role`` in prefill/decode disaggregation (one of ``kvlayer.config.INSTANCE_ROLES``)."""
 
     instance_id: str
     address: str
     namespace: Namespace
     save_partial_chunks: bool
     tiers: tuple[TierSpec, ...]
+    role: str = "both"
 
     def tier(self, name: str) -> TierSpec | None:
         """The tier called ``name``, None if the instance has none."""
@@ -89,13 +91,14 @@ class Instance:
 class Match:
     """How much of a key sequence an instance holds: ``cached_tokens`` in its tiers together,
     ``local_tokens`` in its own (unshared) tiers together, and per tier the leading tokens that
-    tier holds by itself (every tier listed)."""
+    tier holds by itself (every tier listed); ``role`` is the instance's registered role."""
 
     instance_id: str
     address: str
     cached_tokens: int
     per_tier: dict[str, int]
     local_tokens: int = 0
+    role: str = "both"
 
     def rank(self) -> tuple[int, int, str]:
         """Sort key, best first: most cached tokens, then most held locally, then the lowest id."""
@@ -225,7 +228,8 @@ class Registry:
         per_tier = {t.name: _tokens(keys, _leading(keys, [held])) for t, held in sets}
         together = _leading(keys, [held for _, held in sets])
         local = _leading(keys, [held for t, held in sets if not t.shared_id])
-        return Match(entry.instance_id, entry.spec.address, _tokens(keys, together), per_tier, _tokens(keys, local))
+        return Match(entry.instance_id, entry.spec.address, _tokens(keys, together), per_tier, _tokens(keys, local),
+                     entry.spec.role)
 
     # --- internals ----------------------------------------------------------------------
     def _holding(self, entry: Instance, tier: str) -> set[bytes] | None:

@@ -43,11 +43,11 @@ def print_answer(answer: Message, console: Console | None = None) -> None:
 
 
 def _instances(answer: pb.ListInstancesResponse) -> Table:
-    t = Table("instance", "state", "model", "tiers", "chunks", "last seen", "address", title="instances")
+    t = Table("instance", "state", "role", "model", "tiers", "chunks", "last seen", "address", title="instances")
     for i in answer.instances:
         tiers = ", ".join(f"{x.name}{' (shared)' if x.shared_id else ''}" for x in i.tiers)
-        t.add_row(i.instance_id, _STATE.get(i.state, "?"), i.namespace.model_name, tiers, str(i.chunks),
-                  f"{i.last_seen_s:.1f} s ago", i.address or "-")
+        t.add_row(i.instance_id, _STATE.get(i.state, "?"), i.role or "both", i.namespace.model_name, tiers,
+                  str(i.chunks), f"{i.last_seen_s:.1f} s ago", i.address or "-")
     return t
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from kvlayer.config import INSTANCE_ROLES
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller.errors import exhausted, invalid
 from kvlayer.controller.registry import InstanceSpec, TierSpec
@@ -96,9 +97,12 @@ def namespace_to_wire(ns: Namespace, save_partial_chunks: bool) -> pb.ModelNames
 
 
 def spec_from_wire(msg: pb.Register) -> InstanceSpec:
-    """The registration, checked: id, address, namespace and 1-16 distinct tiers."""
+    """The registration, checked: id, address, role, namespace and 1-16 distinct tiers."""
     check_id(msg.instance_id)
     check_text(msg.address, "address")
+    role = msg.role or "both"  # an instance older than the role field
+    if role not in INSTANCE_ROLES:
+        raise invalid(f"register.role must be one of {INSTANCE_ROLES} (or empty), got {role[:40]!r}")
     if not msg.HasField("namespace"):
         raise invalid("register.namespace is missing")
     ns, partial = namespace_from_wire(msg.namespace)
@@ -113,7 +117,7 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
         tiers.append(TierSpec(t.name, t.rank, t.in_memory, t.shared_id, t.cannot_pin))
     if len({t.name for t in tiers}) != len(tiers):
         raise invalid("tier names must be distinct")
-    return InstanceSpec(msg.instance_id, msg.address, ns, partial, tuple(tiers))
+    return InstanceSpec(msg.instance_id, msg.address, ns, partial, tuple(tiers), role)
 
 
 def tier_to_wire(tier: TierSpec) -> pb.TierInfo:

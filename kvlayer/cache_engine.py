@@ -142,9 +142,10 @@ class KVCacheEngine:
         wait_for_copies(slot_mapping.device)
         return job.failures().get("retrieve", found.num_tokens)
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait for background writes (tests and shutdown)."""
-        self.tiers.flush(timeout)
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for background writes (to every tier, Redis and NVMe included); False if
+        ``timeout`` seconds passed first. Thread-safe."""
+        return self.tiers.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier counters and usage as plain data."""

@@ -1,5 +1,5 @@
 """The ``kvlayer`` command line: ``kvlayer model init``, ``kvlayer demo``, ``kvlayer config``,
-``kvlayer bench ...``, ``kvlayer serve``, ``kvlayer controller``, ``kvlayer admin ...``.
+``kvlayer bench ...``, ``kvlayer serve``, ``kvlayer router``, ``kvlayer controller``, ``kvlayer admin ...``.
 
 This module is the composition root: each subcommand imports the parts it wires together
 when it runs, so ``kvlayer --help`` stays fast and needs no optional dependency.
@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "miss-overhead", "miss_overhead", "kvlayer's TTFT overhead when nothing ever hits", home)
     _add_bench(bench, "vllm", "vllm_bench", "TTFT inside vLLM: its own caches vs kvlayer's tiers", home)
     __import__("kvlayer.serving.cli", fromlist=["add_command"]).add_command(sub)  # serve
+    __import__("kvlayer.router.cli", fromlist=["add_command"]).add_command(sub)  # router
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
     return p
 

@@ -18,6 +18,9 @@ from kvlayer.sizes import parse_size
 
 ENV_PREFIX = "KVLAYER_"
 COMPRESSIONS = ("none", "lz4")
+INSTANCE_ROLES = ("both", "prefill", "decode")
+"""What an instance does in prefill/decode disaggregation (``instance_role``): ``prefill`` computes
+prompts only (decode instances read its KV through the shared tier), ``decode`` generates."""
 
 
 class ConfigError(ValueError):
@@ -55,6 +58,8 @@ class KVLayerConfig:
     controller_token: str | None = None
     instance_address: str = ""
     instance_id: str | None = None
+    instance_role: str = "both"
+    """One of ``INSTANCE_ROLES``; registered with the controller, where routers read it."""
     cache_salt: str = ""
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
@@ -67,6 +72,8 @@ class KVLayerConfig:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.instance_role not in INSTANCE_ROLES:
+            raise ConfigError(f"instance_role must be one of {INSTANCE_ROLES}, got {self.instance_role!r}")
         if self.tier_timeout_ms <= 0:
             raise ConfigError(f"tier_timeout_ms must be positive, got {self.tier_timeout_ms}")
         if self.redis_ttl_s < 0:

@@ -49,14 +49,7 @@ def build_app(state: ServerState, api_keys: Sequence[str] = (), max_body_bytes: 
     app = FastAPI(title="kvlayer serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorize(request: Request) -> None:
-        if not keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        ok = False
-        for key in keys:  # every key compared, in constant time each
-            ok |= hmac.compare_digest(token.strip().encode(), key)
-        if scheme.lower() != "bearer" or not ok:
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'")
+        check_api_key(request, keys)
 
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
@@ -85,6 +78,14 @@ def build_app(state: ServerState, api_keys: Sequence[str] = (), max_body_bytes: 
     async def _metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    install_error_handlers(app, "kvlayer serve")
+    return BodyLimit(app, max_body_bytes)
+
+
+def install_error_handlers(app: Any, name: str) -> None:
+    """Every error of ``app`` as OpenAI's error JSON: ``APIError``, unknown routes and methods,
+    and any other exception (500, the traceback logged under ``name``, never sent)."""
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> Response:
         return JSONResponse(e.body(), status_code=e.status)
@@ -96,13 +97,25 @@ def build_app(state: ServerState, api_keys: Sequence[str] = (), max_body_bytes: 
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, e: Exception) -> Response:
-        log.exception("kvlayer serve: %s %s failed", request.method, request.url.path)
+        log.exception("%s: %s %s failed", name, request.method, request.url.path)
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
-    return BodyLimit(app, max_body_bytes)
+
+def check_api_key(request: Request, keys: Sequence[bytes]) -> None:
+    """``APIError`` 401 unless ``keys`` is empty or the request carries ``Authorization: Bearer
+    KEY`` with one of them; every key is compared, each in constant time."""
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token.strip().encode(), key)
+    if scheme.lower() != "bearer" or not ok:
+        raise APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'")
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's body as a JSON object, or ``APIError`` 400 naming what is wrong."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -110,6 +123,11 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise APIError(400, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    data = await json_object(request)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvlayer.flags import port_number, positive_int
+
 log = logging.getLogger(__name__)
 
 
@@ -26,7 +28,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the bundled engine, with kvlayer")
     s.add_argument("--model", required=True, help="model folder (config.json + safetensors [+ tokenizer.json])")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    s.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any free one (default: %(default)s)")
+    s.add_argument("--port", type=port_number, default=8000,
+                   help="port to bind, 0 for any free one (default: %(default)s)")
     s.add_argument("--kv-config", help="kvlayer YAML config (default: kvlayer's defaults; KVLAYER_* variables apply)")
     s.add_argument("--no-kvlayer", action="store_true", help="serve the engine alone (its own prefix cache only)")
     s.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
@@ -35,37 +38,21 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     s.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on the CPU, "
                                                  "bfloat16 on CUDA)")
-    s.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default: %(default)s)")
+    s.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: %(default)s)")
     s.add_argument("--kv-cache-memory", default=None, help="the engine's KV cache size, e.g. 2GiB (default: 1GiB)")
-    s.add_argument("--max-num-seqs", type=_positive, default=64, help="most requests running at once")
-    s.add_argument("--max-num-batched-tokens", type=_positive, default=4096, help="most tokens in one step")
-    s.add_argument("--max-model-len", type=_positive, default=None, help="context length (default: the model's)")
+    s.add_argument("--max-num-seqs", type=positive_int, default=64, help="most requests running at once")
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="most tokens in one step")
+    s.add_argument("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
     s.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's own prefix cache off")
-    s.add_argument("--max-waiting", type=_positive, default=256,
+    s.add_argument("--role", choices=("both", "prefill", "decode"),
+                   help="this instance's part in prefill/decode disaggregation, registered with the controller "
+                        "(sets kvlayer's instance_role; default: the config's, 'both')")
+    s.add_argument("--torch-threads", type=positive_int, help="torch's CPU threads (default: torch's choice)")
+    s.add_argument("--max-waiting", type=positive_int, default=256,
                    help="queued requests past which new ones get 503 (default: %(default)s)")
-    s.add_argument("--max-body-bytes", type=_positive, default=16 * 1024**2,
+    s.add_argument("--max-body-bytes", type=positive_int, default=16 * 1024**2,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     s.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {value}")
-    return value
 
 
 def read_api_keys(path: str) -> list[str]:
@@ -81,7 +68,8 @@ def read_api_keys(path: str) -> list[str]:
     return keys
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; ValueError (one line) when the address is taken or invalid."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -106,6 +94,8 @@ def _kv_config(args: argparse.Namespace, url: str) -> Any:
     from kvlayer.config import KVLayerConfig
 
     config = KVLayerConfig.load(args.kv_config)
+    if args.role is not None:
+        config = config.replace(instance_role=args.role)
     if config.controller_url and not config.instance_address:
         config = config.replace(instance_address=url)
     return config
@@ -113,7 +103,7 @@ def _kv_config(args: argparse.Namespace, url: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     keys = read_api_keys(args.api_key_file) if args.api_key_file else []
-    sock = _bind(args.host, args.port)
+    sock = bind_socket(args.host, args.port)
     try:
         return _serve(args, sock, keys)
     finally:
@@ -121,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> int:
-    import uvicorn
-
     from kvlayer.engine.llm import LLM
     from kvlayer.serving.app import build_app
     from kvlayer.serving.chat import ChatTemplate
@@ -130,6 +118,10 @@ def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> in
     from kvlayer.serving.engine_loop import AsyncEngine
     from kvlayer.serving.metrics import ServingMetrics
 
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     port = sock.getsockname()[1]
     url = base_url(args.host, port)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
@@ -144,10 +136,21 @@ def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> in
     state = ServerState(loop, name, engine.tokenizer, ChatTemplate.from_dir(args.model), metrics,
                         engine.model_config.vocab_size, engine.max_model_len)
     app = build_app(state, keys, args.max_body_bytes)
+    print(f"kvlayer serve: {name!r} at {url} (kvlayer {'off' if kv is None else 'on'})", file=sys.stderr, flush=True)
+    if not run_server(app, sock, "kvlayer serve"):
+        loop.close_unstarted()
+        return 1
+    return 0
+
+
+def run_server(app: Any, sock: socket.socket, name: str) -> bool:
+    """Serve ``app`` on ``sock`` with uvicorn until SIGTERM or SIGINT, which drain it (running
+    requests finish, then the app's shutdown runs); returns whether it started."""
+    import uvicorn
+
     config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(),
                             access_log=False, timeout_graceful_shutdown=None)
     server = uvicorn.Server(config)
-    print(f"kvlayer serve: {name!r} at {url} (kvlayer {'off' if kv is None else 'on'})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has drained, with the handler it
     # found installed: a drained server then exits 0, not by the signal's default action.
     stopped_by: list[int] = []
@@ -155,8 +158,5 @@ def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> in
         signal.signal(sig, lambda number, _frame: stopped_by.append(number))
     server.run(sockets=[sock])
     if stopped_by:
-        print(f"kvlayer serve: drained and stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)
-    if not server.started:
-        loop.close_unstarted()
-        return 1
-    return 0
+        print(f"{name}: drained and stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)
+    return bool(server.started)

@@ -7,7 +7,10 @@ chunk per engine step and choice, an error chunk if the engine fails mid-stream,
 last chunk with the usage and no choices. ``return_token_ids`` adds ``token_ids`` to each
 choice (each chunk's new ids when streaming) and ``prompt_token_ids`` to a choice's first.
 A client that disconnects aborts the request: Starlette cancels a streamed answer, and a
-plain one is raced against the disconnect here.
+plain one is raced against the disconnect here. ``kv_transfer_params: {"do_remote_decode":
+true}`` (a prefill for another instance's decode) answers once kvlayer has written the
+prompt's KV everywhere, the shared tier included: ``kv_transfer_params.kv_written`` says
+whether that happened within ``FLUSH_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from kvlayer.serving.generation import Event, Generation
 from kvlayer.serving.metrics import ServingMetrics
 from kvlayer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
 
+FLUSH_TIMEOUT_S = 30.0
+"""How long a prefill for a remote decode waits for kvlayer's writes before answering anyway."""
+
 
 @dataclass(frozen=True, slots=True)
 class ServerState:
@@ -48,7 +54,7 @@ async def completions(state: ServerState, req: CompletionRequest, request: Reque
     params = _sampling(state, req)
     prompts = [_token_ids(state, p) for p in req.prompts()]
     gen = await _start(state, req, prompts, params, "cmpl")
-    return await _answer(req, gen, request, _CompletionShape(state.model_name, gen.created))
+    return await _answer(req, gen, request, _CompletionShape(state.model_name, gen.created), state.engine)
 
 
 async def chat_completions(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
@@ -63,7 +69,7 @@ async def chat_completions(state: ServerState, req: ChatCompletionRequest, reque
         raise APIError(400, str(e), "messages") from None
     ids = state.tokenizer.encode(text, add_special_tokens=state.chat_template.fallback)
     gen = await _start(state, req, [_check_ids(state, ids)], params, "chatcmpl")
-    return await _answer(req, gen, request, _ChatShape(state.model_name, gen.created))
+    return await _answer(req, gen, request, _ChatShape(state.model_name, gen.created), state.engine)
 
 
 # ----- request -> engine ---------------------------------------------------------------
@@ -170,7 +176,8 @@ class _ChatShape(_CompletionShape):
         return {**self._chunk_head, "choices": choices}
 
 
-async def _answer(req: GenerationRequest, gen: Generation, request: Request, shape: _CompletionShape) -> Response:
+async def _answer(req: GenerationRequest, gen: Generation, request: Request, shape: _CompletionShape,
+                  engine: AsyncEngine) -> Response:
     if req.stream:
         return StreamingResponse(_sse(req, gen, shape), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -180,6 +187,8 @@ async def _answer(req: GenerationRequest, gen: Generation, request: Request, sha
         raise APIError(500, str(e)) from None
     if body is None:  # the client left; nobody reads this
         return Response(status_code=499)
+    if req.remote_decode:
+        body["kv_transfer_params"] = {"kv_written": await engine.flush_kv(FLUSH_TIMEOUT_S)}
     return JSONResponse(body)
 
 

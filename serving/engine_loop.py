@@ -125,6 +125,14 @@ class AsyncEngine:
             self._cv.notify()
         await asyncio.get_running_loop().run_in_executor(None, self._closed.wait)
 
+    async def flush_kv(self, timeout: float) -> bool:
+        """Wait (off the loop) until kvlayer has written every chunk saved so far; False
+        without kvlayer or when ``timeout`` passed first."""
+        flush = getattr(self.engine.connector, "flush_writes", None)
+        if flush is None:
+            return False
+        return await asyncio.get_running_loop().run_in_executor(None, flush, timeout)
+
     def close_unstarted(self) -> None:
         """Close the engine when the loop never started (a server that failed to start)."""
         if not self._thread.is_alive() and not self._closed.is_set():

@@ -74,6 +74,9 @@ class GenerationRequest(BaseModel):
     return_token_ids: StrictBool = False
     ignore_eos: StrictBool = False
     user: StrictStr | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's field for disaggregated prefill; ``{"do_remote_decode": true}``: answer only once
+    kvlayer has written this prompt's KV to every tier (the shared one included)."""
 
     @model_validator(mode="after")
     def _check(self) -> GenerationRequest:
@@ -87,7 +90,13 @@ class GenerationRequest(BaseModel):
             raise ValueError("stream_options needs stream: true")
         if self.cache_salt == "":
             raise ValueError("cache_salt must not be empty (leave it out instead)")
+        if self.remote_decode and self.stream:
+            raise ValueError("kv_transfer_params.do_remote_decode needs stream: false")
         return self
+
+    @property
+    def remote_decode(self) -> bool:
+        return bool((self.kv_transfer_params or {}).get("do_remote_decode"))
 
     @property
     def stop_strings(self) -> list[str]:

@@ -1,14 +1,16 @@
-"""A real ``kvlayer serve`` process for tests, on a free loopback port.
+"""Real ``kvlayer serve`` and ``kvlayer router`` processes for tests, on free loopback ports.
 
-Use it as a context manager; it starts ``python -m kvlayer.cli serve --model MODEL --port P
-ARGS...`` in its own process group, waits until ``GET /health`` answers 200, and on exit
-stops it (SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``)::
+Use them as context managers; each starts ``python -m kvlayer.cli serve --model MODEL --port P
+ARGS...`` (or ``router --controller ADDR --port P ARGS...``) in its own process group, waits
+until ``GET /health`` answers 200, and on exit stops it (SIGTERM, then SIGKILL after
+``STOP_TIMEOUT_S``)::
 
     with ServeProcess(model, "--max-num-seqs", "8") as server:
         httpx.get(f"{server.url}/v1/models")
 
-``server.log()`` is what the server wrote so far (stdout and stderr together), for failure
-messages. Start-up failures raise ``RuntimeError`` with that log.
+``log()`` is what the process wrote so far (stdout and stderr together), for failure
+messages. Start-up failures raise ``RuntimeError`` with that log. ``start()`` again after
+``kill()`` restarts it on the same port.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ class ServeProcess:
     slash); ``returncode`` is set once it has stopped.
     """
 
+    command = "serve"
+
     def __init__(self, model: str, *args: str, env: Mapping[str, str] | None = None,
                  start_timeout: float = START_TIMEOUT_S) -> None:
-        self.model = model
+        self.target = ["--model", model]
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
         self.start_timeout = start_timeout
@@ -51,15 +55,15 @@ class ServeProcess:
         self.returncode: int | None = None
 
     def start(self) -> ServeProcess:
-        cmd = [sys.executable, "-m", "kvlayer.cli", "serve", "--model", self.model, "--host", HOST,
+        cmd = [sys.executable, "-m", "kvlayer.cli", self.command, *self.target, "--host", HOST,
                "--port", str(self.port), *self.args]
-        with self._log.open("wb") as out:
+        with self._log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvlayer serve exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"kvlayer {self.command} exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -67,7 +71,8 @@ class ServeProcess:
                 pass
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"kvlayer serve did not answer /health within {self.start_timeout:.0f} s:\n{self.log()}")
+        raise RuntimeError(f"kvlayer {self.command} did not answer /health within {self.start_timeout:.0f} s:\n"
+                           f"{self.log()}")
 
     def log(self) -> str:
         return self._log.read_text(errors="replace")
@@ -99,3 +104,15 @@ class ServeProcess:
         finally:
             self.kill()
             self._log.unlink(missing_ok=True)
+
+
+class RouterProcess(ServeProcess):
+    """``kvlayer router --controller controller --host 127.0.0.1 --port <free> *args``; healthy
+    once at least one instance is up behind it."""
+
+    command = "router"
+
+    def __init__(self, controller: str, *args: str, env: Mapping[str, str] | None = None,
+                 start_timeout: float = START_TIMEOUT_S) -> None:
+        super().__init__("", *args, env=env, start_timeout=start_timeout)
+        self.target = ["--controller", controller]

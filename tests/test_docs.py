@@ -3,8 +3,9 @@
 Each file's blocks run in one bash process (``set -euo pipefail``) in a fresh folder, with the
 installed ``kvlayer`` first on PATH, ``KVLAYER_HOME`` in that folder and ``KVLAYER_SMOKE=1``,
 which the benchmarks honour by shrinking their workloads (the commands and flags are the
-documented ones). The controller's documented address ``127.0.0.1:50051`` and the server's
-``127.0.0.1:8000`` (and ``--port 8000``) are replaced by free ports. Background jobs a block starts (``&``) are killed when the file is done. Blocks in other
+documented ones). The controller's documented address ``127.0.0.1:50051``, the server's
+``127.0.0.1:8000`` and the router's ``127.0.0.1:8080`` (and ``--port N``) are replaced by free
+ports. Background jobs a block starts (``&``) are killed when the file is done. Blocks in other
 languages (yaml, python, text) are not run; Python examples are exercised by the unit tests.
 """
 
@@ -57,7 +58,8 @@ def test_configuration_lists_every_key():
 
 @pytest.mark.parametrize("doc", [p for p in DOCS if bash_blocks(p)], ids=lambda p: p.name)
 def test_every_command_in_the_docs_runs(doc: Path, tmp_path: Path):
-    ports = {"127.0.0.1:50051": free_port(), "127.0.0.1:8000": free_port()}  # controller, kvlayer serve
+    ports = {"127.0.0.1:50051": free_port(), "127.0.0.1:8000": free_port(),  # controller, kvlayer serve,
+             "127.0.0.1:8080": free_port()}  # kvlayer router
     script = "\n".join(bash_blocks(doc))
     for documented, port in ports.items():
         script = script.replace(documented, f"127.0.0.1:{port}")

@@ -118,8 +118,9 @@ def connect(kv: KVCacheEngine, address: str, token: str | None = None) -> Contro
 
 def raw_instance(address: str, instance_id: str, mute: threading.Event, end: threading.Event,
                  tiers: tuple[pb.TierInfo, ...] = (pb.TierInfo(name="cpu", rank=10),),
-                 beat: pb.Heartbeat | None = None) -> tuple[grpc.Channel, Any]:
-    """A raw instance stream (no engine): it registers ``tiers``, snapshots one chunk, sends
+                 beat: pb.Heartbeat | None = None, role: str = "") -> tuple[grpc.Channel, Any]:
+    """A raw instance stream (no engine): it registers ``tiers`` (and ``role``; "" as an instance
+    older than roles sends), snapshots one chunk, sends
     ``beat`` (an empty heartbeat by default) every 50 ms until ``mute`` is set, then sends
     nothing more; it half-closes once ``end`` is set. It never answers a command. Returns the
     channel and the call (iterate it for the controller's messages; ``cancel()`` drops it)."""
@@ -128,7 +129,7 @@ def raw_instance(address: str, instance_id: str, mute: threading.Event, end: thr
                            chunk_size=4, tp_size=1, format_version=1)
 
     def messages() -> Any:
-        yield pb.InstanceMessage(register=pb.Register(instance_id=instance_id, namespace=ns, tiers=tiers))
+        yield pb.InstanceMessage(register=pb.Register(instance_id=instance_id, namespace=ns, tiers=tiers, role=role))
         yield pb.InstanceMessage(snapshot=pb.SnapshotPart(tier=tiers[0].name, digests=[bytes(32)], final=True))
         while not mute.wait(0.05):
             yield pb.InstanceMessage(heartbeat=beat or pb.Heartbeat())

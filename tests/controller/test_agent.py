@@ -132,6 +132,46 @@ def test_lookup_ranks_instances_and_best_instance_routes(server, admin):
         b.close()
 
 
+def test_the_role_an_instance_registers_reaches_list_instances_stats_and_lookup(server, admin):
+    p, d = make_kv("p", instance_role="prefill"), make_kv("d")
+    tokens = prompt(45)
+    store_tokens(p, tokens)
+    agents = [connect(p, server.address), connect(d, server.address)]
+    try:
+        wait_until(lambda: all(x.connected for x in agents), what="registrations")
+        assert [(i.instance_id, i.role) for i in admin.list_instances().instances] == [("d", "both"), ("p", "prefill")]
+        assert [s.info.role for s in admin.stats("p").instances] == ["prefill"]
+        matches = admin.lookup(tokens, MODEL).matches
+        assert [(m.instance_id, m.role, m.cached_tokens) for m in matches] == [("p", "prefill", 16), ("d", "both", 0)]
+    finally:
+        for agent in agents:
+            agent.close()
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize(("role", "listed"), [("", "both"), ("decode", "decode"), ("router", None)])
+def test_a_registration_without_a_role_is_both_and_an_unknown_role_is_refused(server, admin, role, listed):
+    mute, end = threading.Event(), threading.Event()
+    channel, call = raw_instance(server.address, "raw", mute, end, role=role)
+    try:
+        if listed is None:
+            with pytest.raises(grpc.RpcError) as refused:
+                next(call)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "role" in refused.value.details() and "router" in refused.value.details()
+            assert admin.list_instances().instances == []
+        else:
+            next(call)
+            wait_until(lambda: [(i.instance_id, i.role) for i in admin.list_instances().instances] == [("raw", listed)],
+                       what="registration")
+    finally:
+        mute.set()
+        end.set()
+        call.cancel()
+        channel.close()
+
+
 def test_controller_restart_rebuilds_the_registry_from_snapshots(admin, server):
     kv = make_kv("a")
     tokens = prompt(50)

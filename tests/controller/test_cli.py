@@ -23,7 +23,7 @@ TOKENS = list(range(1, 18))
 def controller(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cli")
     with ServerThread(admin_token=TOKEN) as srv:
-        engine = make_kv("engine-0", nvme_path=str(folder / "nvme"))
+        engine = make_kv("engine-0", nvme_path=str(folder / "nvme"), instance_role="prefill")
         store_tokens(engine, TOKENS)
         agent = connect(engine, srv.address)
         try:
@@ -51,13 +51,16 @@ def test_json_answers_are_the_rpc_answers(controller, capsys):
     assert [(m["instance_id"], m["cached_tokens"]) for m in answer["matches"]] == [("engine-0", 16)]
     assert {t["tier"]: t["prefix_tokens"] for t in answer["matches"][0]["tiers"]} == {"cpu": 16, "nvme": 16}
     code, out, _ = admin(controller, capsys, "instances", "--json")  # --json after the command works too
-    assert code == 0 and json.loads(out)["instances"][0]["state"] == "INSTANCE_STATE_UP"
+    listed = json.loads(out)["instances"][0]
+    assert code == 0 and (listed["state"], listed["role"]) == ("INSTANCE_STATE_UP", "prefill")
+    assert answer["matches"][0]["role"] == "prefill"
 
 
 def test_tables_and_commands(controller, capsys):
     tokens = " ".join(map(str, TOKENS))
     code, out, _ = admin(controller, capsys, "instances")
-    assert code == 0 and "engine-0" in out and "up" in out and "cpu, nvme" in out
+    assert code == 0 and "engine-0" in out and "up" in out and "prefill" in out and "cpu, nvme" in out
+    assert out.index("role") < out.index("model"), "the role column, after the state"
     code, out, _ = admin(controller, capsys, "pin", "--instance", "engine-0", "--tokens", tokens, "--tier", "cpu")
     assert code == 0 and "engine-0" in out and "yes" in out
     code, out, _ = admin(controller, capsys, "unpin", "--instance", "engine-0", "--tokens", tokens)

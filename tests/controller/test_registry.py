@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -61,6 +63,14 @@ def test_a_shared_tier_is_one_pool_until_its_last_member_goes_down():
     reg.mark_down(b)
     again = reg.register(spec("b"))
     assert reg.match(again, again.spec.keys(TOKENS, None)).per_tier["redis"] == 0
+
+
+def test_a_match_carries_the_instances_role():
+    reg = Registry()
+    a = reg.register(replace(spec("a"), role="prefill"))
+    b = reg.register(spec("b"))
+    assert b.spec.role == "both", "the default role"
+    assert [reg.match(e, e.spec.keys(TOKENS, None)).role for e in (a, b)] == ["prefill", "both"]
 
 
 def test_salt_and_model_change_the_keys():

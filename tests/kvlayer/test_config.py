@@ -67,12 +67,21 @@ def test_unknown_keys_name_the_key(tmp_path) -> None:
     ("chunk_size", "abc"), ("chunk_size", 0), ("chunk_size", 1.5), ("cpu_capacity", "lots"),
     ("layerwise", "maybe"), ("compression", "zstd"), ("tier_timeout_ms", 0), ("unhealthy_after", -1),
     ("redis_url", "http://x"), ("redis_ttl_s", -3), ("chunk_size", True), ("chunk_size", None),
+    ("instance_role", "router"), ("instance_role", ""),
 ])
 def test_bad_values_name_the_key(key, value) -> None:
     with pytest.raises(ConfigError, match=key):
         KVLayerConfig.from_dict({key: value})
     with pytest.raises(ConfigError, match=key):
         KVLayerConfig.load({}, env={f"KVLAYER_{key.upper()}": str(value)})
+
+
+def test_instance_role_defaults_to_both_and_is_one_of_three() -> None:
+    assert KVLayerConfig().instance_role == "both"
+    assert KVLayerConfig.load({}, env={"KVLAYER_INSTANCE_ROLE": "prefill"}).instance_role == "prefill"
+    with pytest.raises(ConfigError) as e:
+        KVLayerConfig(instance_role="Prefill")
+    assert str(e.value) == "instance_role must be one of ('both', 'prefill', 'decode'), got 'Prefill'"
 
 
 def test_frozen_and_replace_returns_a_new_config() -> None:

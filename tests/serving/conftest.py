@@ -14,13 +14,6 @@ import pytest
 from kvlayer.engine import LLM, SamplingParams
 
 
-@pytest.fixture(scope="session")
-def reference(tiny_model_dir):
-    """The same model in-process, without kvlayer: the tokens every answer must equal."""
-    with LLM(tiny_model_dir, num_gpu_blocks=512) as llm:
-        yield llm
-
-
 def greedy(llm: LLM, prompts: list, max_tokens: int) -> list[list[int]]:
     """The greedy tokens of ``prompts`` (texts or token-id lists), EOS ignored."""
     items = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]

@@ -47,6 +47,8 @@ CASES = [
     ({"stop_token_ids": [9999]}, 400, "stop_token_ids: 9999 is outside the vocabulary", "stop_token_ids"),
     ({"cache_salt": ""}, 400, "cache_salt must not be empty", None),
     ({"stop": [""]}, 400, "a stop string must not be empty", None),
+    ({"kv_transfer_params": {"do_remote_decode": True}, "stream": True}, 400,
+     "kv_transfer_params.do_remote_decode needs stream: false", None),
 ]
 
 
