@@ -53,15 +53,25 @@ class ServeProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = Path(tempfile.mkstemp(prefix="kvlayer-serve-", suffix=".log")[1])
         self.returncode: int | None = None
+        self._deadline = 0.0
 
     def start(self) -> ServeProcess:
+        """Launch it and wait until it answers ``/health``."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> ServeProcess:
+        """Start the process without waiting (``wait_ready`` waits): several start in parallel."""
         cmd = [sys.executable, "-m", "kvlayer.cli", self.command, *self.target, "--host", HOST,
                "--port", str(self.port), *self.args]
         with self._log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
+        self._deadline = time.monotonic() + self.start_timeout
+        return self
+
+    def wait_ready(self) -> ServeProcess:
+        assert self.proc is not None, "launch() first"
+        while time.monotonic() < self._deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvlayer {self.command} exited with {self.proc.returncode}:\n{self.log()}")
             try:

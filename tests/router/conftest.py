@@ -44,7 +44,9 @@ def fleet(model: str, folder: Path, names: tuple[str, ...] = ("a", "b"), router_
         for p in procs.values():
             stack.callback(p.kill)
         for p in procs.values():
-            p.start()
+            p.launch()  # in parallel: torch's import and the model load take seconds each
+        for p in procs.values():
+            p.wait_ready()
         admin = stack.enter_context(AdminClient(controller.address, timeout=10))
         wait_until(lambda: {i.instance_id for i in admin.list_instances().instances if i.state == 2} >= set(names),
                    what="every instance registered", timeout=60)
@@ -61,8 +63,10 @@ def random_ids(n: int, seed: int, vocab: int = 500) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def complete(url: str, prompt: list[int], max_tokens: int = 4, **extra: object) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=60, json={
+def complete(url: str, prompt: list[int], max_tokens: int = 4, key: str | None = None,
+             **extra: object) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}/v1/completions", timeout=60, headers=headers, json={
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True, **extra})
 
