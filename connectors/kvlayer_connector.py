@@ -12,6 +12,12 @@ forward pass (and, with ``off``, saved after it). ``wait_for_save`` waits for th
 lower tiers are written in the background. A failed load is reported through
 ``get_failed_loads`` and recomputed by the engine, and the chunks it left unsaved are saved
 after the recompute; nothing here raises into the engine.
+
+A model whose every layer has a sliding window lets the engine release a running request's
+leading blocks once no window reaches them: their block ids become negative
+(``engine.block_manager.FREED_BLOCK``). A chunk that is due while one of its blocks is released
+is not saved (``num_skipped_saves``); loads go only into blocks allocated at admission, which
+are all held.
 """
 
 from __future__ import annotations
@@ -113,6 +119,7 @@ class KVLayerConnector(KVConnectorBase):
         self._rolled_back: dict[str, int] = {}  # worker -> scheduler: valid tokens after a failed load
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-load")
         self._streams = _Streams.for_device(self.device)
+        self.num_skipped_saves = 0  # chunks not saved because a sliding window released their blocks
         self._agent: Any = None  # the controller link, only with controller_url
         if self.config.controller_url:
             from kvlayer.controller.agent import start_agent
@@ -169,9 +176,21 @@ class KVLayerConnector(KVConnectorBase):
             done = s.num_computed_tokens + s.num_scheduled_tokens
             due = [k for k in st.keys if st.saved_upto < k.end <= done]
             if due:
-                saves.append(SaveSpec(s.request_id, tuple(due), tuple(s.block_ids)))
+                held = [k for k in due if self._holds(s.block_ids, k)]
+                self._count_skipped(len(due) - len(held))
+                if held:
+                    saves.append(SaveSpec(s.request_id, tuple(held), tuple(s.block_ids)))
                 st.saved_upto = due[-1].end
         return KVLayerMetadata(tuple(loads), tuple(saves))
+
+    def _holds(self, block_ids: Sequence[int], key: ChunkKey) -> bool:
+        """Whether every block of chunk ``key`` is held (none released by a sliding window)."""
+        return min(block_ids[key.start // self.block_size : -(-key.end // self.block_size)]) >= 0
+
+    def _count_skipped(self, count: int) -> None:
+        if count and not self.num_skipped_saves:
+            log.info("kvlayer: chunks whose blocks a sliding window released are not saved")
+        self.num_skipped_saves += count
 
     # ----- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:

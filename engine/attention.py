@@ -9,6 +9,11 @@ it is cached, else over its context gathered from the cache).
 Masks are additive float biases built once per step and shared by the layers
 (``AttentionMetadata.biases``): the CPU kernel turns a boolean mask into one on every call,
 which cost 40% of a 32-token span's attention over 8k cached tokens.
+
+A sliding-window layer (``window`` W) lets a query at position ``p`` see keys at positions
+``j`` with ``p - W < j <= p``, as transformers' ``sliding_window_overlay`` does. It gathers only
+the blocks its window reaches, so it never touches a sequence's leading blocks that fell out of
+every window (the block manager may have released them, ``block_manager.FREED_BLOCK``).
 """
 
 from __future__ import annotations
@@ -47,20 +52,21 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, H, D]`` for the step ``meta`` describes -> ``[T, H, D]``.
 
     ``key``/``value`` ``[T, KVH, D]`` are the step's new keys/values, already written into
     ``kv_cache`` (same dtype and device) by ``write_kv``; ``H`` must be a multiple of ``KVH``
-    (grouped-query attention).
+    (grouped-query attention). ``window``: the layer's sliding window (None: full attention).
     Tokens outside every decode and span are left uninitialised in the result.
     """
     out = torch.empty_like(query)
     if meta.num_decodes:
         decode = _triton_decode if query.is_cuda and _triton_installed() else _decode_attention
-        out[: meta.num_decodes] = decode(query[: meta.num_decodes], kv_cache, meta, scale)
+        out[: meta.num_decodes] = decode(query[: meta.num_decodes], kv_cache, meta, scale, window)
     for i, span in enumerate(meta.prefills):
-        out[span.start : span.end] = _prefill_attention(query, key, value, kv_cache, meta, i, scale)
+        out[span.start : span.end] = _prefill_attention(query, key, value, kv_cache, meta, i, scale, window)
     return out
 
 
@@ -70,33 +76,57 @@ def _triton_installed() -> bool:
 
 
 def _triton_decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
 ) -> torch.Tensor:
     """``_decode_attention`` by the Triton kernel (CUDA); imported here, where it is needed."""
     from kvlayer.engine.triton_attention import decode_attention
 
-    return decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return decode_attention(query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window)
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
 ) -> torch.Tensor:
     """One query token per sequence ``[N, H, D]`` over its cached context -> ``[N, H, D]``."""
     n, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
-    blocks = meta.decode_block_tables.flatten()
-    # index_select of whole blocks: [N * max_blocks, block_size, KVH, D] -> [N, KVH, L, D]
+    columns = _decode_columns(meta, kv_cache.shape[2], window)
+    tables = meta.decode_block_tables
+    blocks = (tables if columns is None else tables.gather(1, columns.clamp(max=tables.shape[1] - 1))).flatten()
+    # index_select of whole blocks: [N * blocks per row, block_size, KVH, D] -> [N, KVH, L, D]
     keys = kv_cache[0].index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = kv_cache[1].index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    bias = meta.biases.get(("decode",))
+    bias = meta.biases.get(("decode", window))
     if bias is None:
-        valid = torch.arange(keys.shape[2], device=query.device) < meta.decode_context_lens[:, None]
-        bias = _bias(~valid, query.dtype)[:, None, None, :]
-        meta.biases[("decode",)] = bias
+        bias = _decode_bias(meta, columns, keys.shape[2], kv_cache.shape[2], window, query.dtype)
+        meta.biases[("decode", window)] = bias
     # each KV head's query group acts as a short query sequence: no repeated keys, one fused call
     grouped = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     result = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
     return result.reshape(n, num_heads, head_dim)
+
+
+def _decode_columns(meta: AttentionMetadata, block_size: int, window: int | None) -> torch.Tensor | None:
+    """For a window layer, the block-table columns ``[N, k]`` each decode's window reaches: from
+    the block of its first visible position on, ``k`` the most blocks a window can touch
+    (columns past a row's table hold no visible position); None for full attention."""
+    if window is None:
+        return None
+    k = min(meta.decode_block_tables.shape[1], -(-(window - 1) // block_size) + 1)
+    first = (meta.decode_context_lens - window).clamp(min=0) // block_size
+    return first[:, None] + torch.arange(k, device=first.device)
+
+
+def _decode_bias(meta: AttentionMetadata, columns: torch.Tensor | None, length: int, block_size: int,
+                 window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The decodes' bias ``[N, 1, 1, length]``: -inf at gathered positions past a sequence's
+    context or, for a window layer, at or before ``context_len - 1 - window``."""
+    lens = meta.decode_context_lens[:, None]
+    if columns is None:
+        return _bias(torch.arange(length, device=lens.device) >= lens, dtype)[:, None, None, :]
+    slots = torch.arange(block_size, device=lens.device)
+    positions = (columns[:, :, None] * block_size + slots).flatten(1)
+    return _bias((positions >= lens) | (positions < lens - window), dtype)[:, None, None, :]
 
 
 def _prefill_attention(
@@ -107,11 +137,15 @@ def _prefill_attention(
     meta: AttentionMetadata,
     index: int,
     scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """Span ``meta.prefills[index]``'s query tokens over its context -> ``[span.num_tokens, H, D]``."""
     span = meta.prefills[index]
     q = query[span.start : span.end]
     groups = q.shape[1] // key.shape[1]
+    if window is not None and span.context_len > window:  # else the window hides nothing
+        return _windowed_prefill(q, key[span.start : span.end], value[span.start : span.end], kv_cache, meta,
+                                 index, scale, window)
     if span.num_cached == 0:
         k, v, mask = key[span.start : span.end], value[span.start : span.end], None
     else:
@@ -120,7 +154,7 @@ def _prefill_attention(
             k, v = _gathered(kv_cache, span.block_table, span.num_cached)
             return _split_attention(q, k, v, key[span.start : span.end], value[span.start : span.end], groups, scale)
         k, v = _gathered(kv_cache, span.block_table, span.context_len)
-        mask = _span_bias(meta, index, fold, q.dtype)
+        mask = _span_bias(meta, index, fold, q.dtype, None, 0)
         if fold > 1:
             return _folded_attention(q, k, v, mask, groups, scale)
     # 4-D [1, heads, tokens, D] operands with equal head counts reach the fused CPU kernel; 3-D
@@ -133,6 +167,28 @@ def _prefill_attention(
         is_causal=mask is None,
         scale=scale,
     )
+    return result[0].transpose(0, 1)
+
+
+def _windowed_prefill(q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, index: int, scale: float, window: int) -> torch.Tensor:
+    """A span of a window layer whose window hides part of its context: one biased call over the
+    keys from the block of its first query's first visible position on (only its own new keys
+    when nothing of it is cached)."""
+    span = meta.prefills[index]
+    groups = q.shape[1] // new_k.shape[1]
+    block_size = kv_cache.shape[2]
+    first_block = max(0, span.num_cached - window + 1) // block_size
+    if span.num_cached == 0:
+        k, v = new_k, new_v
+    else:
+        k, v = _gathered(kv_cache, span.block_table[first_block:], span.context_len - first_block * block_size)
+    fold = groups if groups > 1 and span.num_tokens * groups <= FOLD_MAX_ROWS else 1
+    mask = _span_bias(meta, index, fold, q.dtype, window, first_block * block_size)
+    if fold > 1:
+        return _folded_attention(q, k, v, mask, groups, scale)
+    result = F.scaled_dot_product_attention(q.transpose(0, 1)[None], _heads_first(k, groups),
+                                            _heads_first(v, groups), attn_mask=mask, scale=scale)
     return result[0].transpose(0, 1)
 
 
@@ -163,19 +219,23 @@ def _split_attention(q: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Te
     return merged.to(q.dtype)[0].transpose(0, 1)
 
 
-def _span_bias(meta: AttentionMetadata, index: int, fold: int, dtype: torch.dtype) -> torch.Tensor:
-    """The causal bias ``[fold * n, context_len]`` of span ``index`` over its cached prefix and
-    itself (query i, at position num_cached + i, sees positions [0, num_cached + i]), repeated
-    ``fold`` times for ``_folded_attention``; built on the first layer's call, then shared."""
-    key = ("prefill", index, fold)
+def _span_bias(meta: AttentionMetadata, index: int, fold: int, dtype: torch.dtype, window: int | None,
+               base: int) -> torch.Tensor:
+    """The bias ``[fold * n, context_len - base]`` of span ``index`` over context positions
+    ``[base, context_len)``: query i, at position p = num_cached + i, sees positions j <= p (and
+    p - window < j for a window layer); repeated ``fold`` times for ``_folded_attention``. Built
+    on the first layer's call, then shared."""
+    key = ("prefill", index, fold, window)
     bias = meta.biases.get(key)
     if bias is None:
         span = meta.prefills[index]
         device = span.block_table.device
-        bias = torch.zeros(span.num_tokens, span.context_len, dtype=dtype, device=device)
-        bias[:, span.num_cached:] = torch.full((span.num_tokens, span.num_tokens), float("-inf"), dtype=dtype,
-                                               device=device).triu(1)
-        bias = bias.repeat(fold, 1)
+        queries = torch.arange(span.num_cached, span.context_len, device=device)[:, None]
+        keys = torch.arange(base, span.context_len, device=device)[None, :]
+        hidden = keys > queries
+        if window is not None:
+            hidden |= keys <= queries - window
+        bias = _bias(hidden, dtype).repeat(fold, 1)
         meta.biases[key] = bias
     return bias
 

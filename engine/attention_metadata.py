@@ -20,8 +20,10 @@ class PrefillSpan:
 
     ``context_len`` is how many of the sequence's tokens are in the cache once this span is
     written (its cached prefix + ``end - start``); the span's query at position ``i`` attends
-    causally to cache positions ``[0, context_len - (end - start) + i]``. ``block_table`` holds
-    the sequence's blocks (int64, at least ``ceil(context_len / block_size)`` entries).
+    causally to cache positions ``[0, context_len - (end - start) + i]`` (a sliding-window
+    layer to the last ``window`` of them). ``block_table`` holds the sequence's blocks (int64, at
+    least ``ceil(context_len / block_size)`` entries; those no window reaches any more may be
+    ``block_manager.FREED_BLOCK``, on a model whose every layer slides).
     """
 
     start: int
@@ -43,9 +45,10 @@ class AttentionMetadata:
     """Per-step attention inputs; tensors live on the engine's device.
 
     ``decode_block_tables`` is ``[num_decodes, max_blocks]`` int64 (rows padded with any valid
-    block id), ``decode_context_lens`` ``[num_decodes]`` int64 (tokens in cache, the new one
-    included). ``biases`` memoises the step's additive attention masks (filled by
-    ``attention.py`` on the first layer's use, shared by every layer of the step).
+    block id; released entries as in ``PrefillSpan``), ``decode_context_lens``
+    ``[num_decodes]`` int64 (tokens in cache, the new one included). ``biases`` memoises the
+    step's additive attention masks (filled by ``attention.py`` on the first layer's use,
+    shared by every layer of the step).
     """
 
     slot_mapping: torch.Tensor

@@ -6,6 +6,11 @@ root folding in the request's ``cache_salt``), so a later request with the same 
 reuses it; a hit is verified against the stored token ids. Freed blocks keep their hash
 and are reused least recently freed first (a request's blocks are freed tail first, so a
 prefix's head outlives its tail).
+
+A model whose every layer has a sliding window never reads a key again once it is a window
+behind the next query: ``release_before`` gives such leading blocks back while the sequence
+runs. Their block-table entries become ``FREED_BLOCK``, so the table keeps its length and
+``block_table[position // block_size]`` stays the block of every position still held.
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from kvlayer.engine.sequence import Sequence
+
+FREED_BLOCK = -1
+"""The block-table entry of a block its sequence released (out of every window's reach). Never
+a block id: attention gathers only the blocks its window reaches (``index_select`` would refuse
+it), and the connector skips saves that would read one (it sees a negative id)."""
 
 
 def block_hash(prev: bytes, token_ids: Seq[int]) -> bytes:
@@ -119,9 +129,10 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(prev, chunk)
-            block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, chunk
-            self.cached.setdefault(h, block.block_id)
+            if seq.block_table[i] != FREED_BLOCK:  # released unhashed (after a failed load): chain on
+                block = self.blocks[seq.block_table[i]]
+                block.hash, block.token_ids = h, chunk
+                self.cached.setdefault(h, block.block_id)
             prev = h
             seq.num_hashed_blocks = i + 1
             seq.last_block_hash = h
@@ -130,6 +141,8 @@ class BlockManager:
         """Forget hashes of ``seq``'s blocks past ``num_valid_tokens`` (their KV is not valid)."""
         keep = num_valid_tokens // self.block_size
         if seq.num_hashed_blocks > keep:
+            # a rollback never reaches released blocks: only a step's new tokens are rolled back
+            assert keep >= seq.num_freed_blocks, "rolled back into released blocks"
             for bid in seq.block_table[keep : seq.num_hashed_blocks]:
                 block = self.blocks[bid]
                 if block.hash is not None and self.cached.get(block.hash) == bid:
@@ -138,16 +151,35 @@ class BlockManager:
             seq.num_hashed_blocks = keep
             seq.last_block_hash = self.blocks[seq.block_table[keep - 1]].hash if keep else None
 
+    def release_before(self, seq: Sequence, position: int) -> None:
+        """Give back ``seq``'s blocks that hold only positions below ``position`` (no attention
+        reads them again); their entries become ``FREED_BLOCK``. They keep their hashes, like
+        blocks of a finished sequence, so later requests still hit them."""
+        end = min(position // self.block_size, len(seq.block_table))
+        for i in range(seq.num_freed_blocks, end):
+            self._drop(seq.block_table[i])
+            seq.block_table[i] = FREED_BLOCK
+        seq.num_freed_blocks = max(seq.num_freed_blocks, end)
+
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first; blocks keep their hashes for later hits."""
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[bid] = None
+        for bid in reversed(seq.block_table[seq.num_freed_blocks :]):
+            self._drop(bid)
         seq.block_table = []
+        seq.num_freed_blocks = 0
         seq.num_hashed_blocks = 0
         seq.last_block_hash = None
+
+    def _drop(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[bid] = None
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some sequence holds (not in the free pool)."""
+        return len(self.blocks) - len(self.free)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their KV)."""

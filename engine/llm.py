@@ -91,7 +91,7 @@ class LLMEngine:
             kv_connector.register_kv_caches(self.runner.kv_caches)
         self._hooks = _ConnectorHooks(kv_connector) if kv_connector else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   kv_connector)
+                                   kv_connector, cfg.attention_reach)
         self._ids = itertools.count()
         self._held: dict[str, Seq] = {}
         self._finished_ids: list[str] = []

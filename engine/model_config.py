@@ -8,7 +8,6 @@ llama3-scaled RoPE). Anything it cannot run exactly is a ``ModelConfigError`` na
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +65,10 @@ class ModelConfig:
     """What the engine needs to build, load and run a decoder-only Llama-family model.
 
     ``qkv_bias``/``o_bias``: whether the q/k/v and o projections carry biases (Qwen2: q/k/v
-    only; Llama with ``attention_bias``: all four). ``sliding_window`` is None for full
-    attention. ``rope_scaling`` None means plain RoPE.
+    only; Llama with ``attention_bias``: all four). ``layer_windows[i]`` is layer ``i``'s
+    sliding window, None for full attention: a query at position ``p`` attends to keys at
+    positions ``j`` with ``p - window < j <= p`` (transformers' ``sliding_window_overlay``).
+    ``rope_scaling`` None means plain RoPE.
     """
 
     architecture: Literal["llama", "mistral", "qwen2"]
@@ -85,7 +86,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
-    sliding_window: int | None
+    layer_windows: tuple[int | None, ...]
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
@@ -106,8 +107,13 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ModelConfigError(f"{name} must be a positive number, got {value!r}")
-        if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
+        if len(self.layer_windows) != self.num_layers:
+            raise ModelConfigError(
+                f"{len(self.layer_windows)} layer windows for num_hidden_layers {self.num_layers}"
+            )
+        for window in self.layer_windows:
+            if window is not None:
+                _check_positive_int("sliding_window", window)
         if self.bos_token_id is not None:
             _check_token_id("bos_token_id", self.bos_token_id, self.vocab_size)
         for token in self.eos_token_ids:
@@ -115,8 +121,19 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """The longest sequence the engine runs: never past the sliding window, so attention is exact."""
-        return min(self.max_position_embeddings, self.sliding_window or math.inf)
+        """The longest sequence the engine runs: the RoPE tables cover this many positions."""
+        return self.max_position_embeddings
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest window of the model's sliding-window layers; None when no layer slides."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
+    def attention_reach(self) -> int | None:
+        """How far back the model ever attends: the largest window when every layer slides (keys
+        this many positions behind the next query are never read again), else None."""
+        return None if None in self.layer_windows else self.sliding_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,21 +142,50 @@ class _Family:
 
     qkv_bias: Callable[[Mapping[str, Any]], bool]
     o_bias: Callable[[Mapping[str, Any]], bool]
-    sliding_window: Callable[[Mapping[str, Any]], Any]
+    layer_windows: Callable[[Mapping[str, Any], int], tuple[Any, ...]]  # (raw, num_layers) -> windows
 
 
 def _attention_bias(raw: Mapping[str, Any]) -> bool:
     return _typed(raw, "attention_bias", bool, False)
 
 
-def _qwen2_window(raw: Mapping[str, Any]) -> Any:
-    return raw.get("sliding_window") if _typed(raw, "use_sliding_window", bool, False) else None
+_DEFAULT_WINDOW = 4096
+"""transformers' ``MistralConfig``/``Qwen2Config`` default when ``sliding_window`` is absent
+(an explicit null means no window)."""
+
+
+def _mistral_windows(raw: Mapping[str, Any], num_layers: int) -> tuple[Any, ...]:
+    # transformers' Mistral gives every layer the window and ignores layer_types (with a warning)
+    return (raw.get("sliding_window", _DEFAULT_WINDOW),) * num_layers
+
+
+def _qwen2_windows(raw: Mapping[str, Any], num_layers: int) -> tuple[Any, ...]:
+    """transformers' ``Qwen2Config``: the window only with ``use_sliding_window``; ``layer_types``
+    when given, else layers from ``max_window_layers`` (default 28) on slide."""
+    use = _typed(raw, "use_sliding_window", bool, False)
+    window = raw.get("sliding_window", _DEFAULT_WINDOW) if use else None
+    types = raw.get("layer_types")
+    if types is None:
+        first = _typed(raw, "max_window_layers", int, 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelConfigError(f"layer_types must be a list of num_hidden_layers ({num_layers}) names, got {types!r}")
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ModelConfigError(f"layer_types {sorted(map(str, unknown))} are unsupported; "
+                               f"supported: full_attention, sliding_attention")
+    if window is None and "sliding_attention" in types:
+        raise ModelConfigError("layer_types has sliding_attention layers but no sliding_window "
+                               "(use_sliding_window is false or sliding_window is null)")
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 _FAMILIES: dict[str, _Family] = {
-    "llama": _Family(_attention_bias, _attention_bias, lambda raw: None),
-    "mistral": _Family(lambda raw: False, lambda raw: False, lambda raw: raw.get("sliding_window")),
-    "qwen2": _Family(lambda raw: True, lambda raw: False, _qwen2_window),
+    # transformers' Llama has no sliding window and ignores layer_types
+    "llama": _Family(_attention_bias, _attention_bias, lambda raw, num_layers: (None,) * num_layers),
+    "mistral": _Family(lambda raw: False, lambda raw: False, _mistral_windows),
+    "qwen2": _Family(lambda raw: True, lambda raw: False, _qwen2_windows),
 }
 _ARCHITECTURE_CLASSES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -187,12 +233,13 @@ def parse_model_config(raw: Mapping[str, Any], default_name: str = "model") -> M
     max_positions = _required_int(raw, "max_position_embeddings")
     rope_theta, rope_scaling = _rope(raw, max_positions)
     name_or_path = raw.get("_name_or_path")
+    num_layers = _required_int(raw, "num_hidden_layers")
     return ModelConfig(
         architecture=architecture,
         vocab_size=_required_int(raw, "vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=_required_int(raw, "intermediate_size"),
-        num_layers=_required_int(raw, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=_positive_int(raw, "num_key_value_heads", num_heads),
         head_dim=head_dim,
@@ -203,7 +250,7 @@ def parse_model_config(raw: Mapping[str, Any], default_name: str = "model") -> M
         tie_word_embeddings=_typed(raw, "tie_word_embeddings", bool, False),
         qkv_bias=family.qkv_bias(raw),
         o_bias=family.o_bias(raw),
-        sliding_window=family.sliding_window(raw),
+        layer_windows=family.layer_windows(raw, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         torch_dtype=_dtype(raw),

@@ -8,7 +8,7 @@ Llama/Mistral/Qwen2 classes), ``model.safetensors`` (or shards plus an index) an
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,17 +43,44 @@ PRESETS: dict[str, Preset] = {
     "bench": Preset(768, 12, 12, 4, 64, 2048, 32000, 32768),
 }
 
-def _llama_fields(window: int | None) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    """Which layers of a preset model slide, as ``init_model`` writes it into ``config.json``.
+
+    ``sliding_window`` is the window (None: full attention everywhere). Qwen2 only:
+    ``max_window_layers`` layers from the first on stay full (transformers' rule when
+    ``layer_types`` is absent), or ``layer_types`` names each layer's kind
+    ("full_attention" / "sliding_attention") for a hybrid model.
+    """
+
+    sliding_window: int | None = None
+    max_window_layers: int = 0
+    layer_types: tuple[str, ...] | None = None
+
+    @property
+    def per_layer(self) -> bool:
+        return self.max_window_layers != 0 or self.layer_types is not None
+
+
+def _llama_fields(attention: AttentionLayout) -> dict[str, Any]:
+    if attention.sliding_window is not None or attention.per_layer:
+        raise ValueError("sliding_window and layer_types are not supported by architecture 'llama'")
     return {"attention_bias": False, "mlp_bias": False}
 
 
-def _mistral_fields(window: int | None) -> dict[str, Any]:
-    return {"sliding_window": window}
+def _mistral_fields(attention: AttentionLayout) -> dict[str, Any]:
+    if attention.per_layer:  # transformers' Mistral slides every layer, whatever layer_types says
+        raise ValueError("max_window_layers and layer_types are not supported by architecture 'mistral'")
+    return {"sliding_window": attention.sliding_window}
 
 
-def _qwen2_fields(window: int | None) -> dict[str, Any]:
-    # max_window_layers 0: the window (when set) applies from the first layer on
-    return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+def _qwen2_fields(attention: AttentionLayout) -> dict[str, Any]:
+    window = attention.sliding_window
+    fields = {"use_sliding_window": window is not None, "sliding_window": window,
+              "max_window_layers": attention.max_window_layers}
+    if attention.layer_types is not None:
+        fields["layer_types"] = list(attention.layer_types)
+    return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,14 +88,13 @@ class _Family:
     """How ``init_model`` writes one architecture's config: its class name and its own fields."""
 
     class_name: str
-    fields: Callable[[int | None], dict[str, Any]]  # sliding_window -> fields
-    windowed: bool
+    fields: Callable[[AttentionLayout], dict[str, Any]]  # raises ValueError for options it cannot write
 
 
 _FAMILIES: dict[str, _Family] = {
-    "llama": _Family("LlamaForCausalLM", _llama_fields, windowed=False),
-    "mistral": _Family("MistralForCausalLM", _mistral_fields, windowed=True),
-    "qwen2": _Family("Qwen2ForCausalLM", _qwen2_fields, windowed=True),
+    "llama": _Family("LlamaForCausalLM", _llama_fields),
+    "mistral": _Family("MistralForCausalLM", _mistral_fields),
+    "qwen2": _Family("Qwen2ForCausalLM", _qwen2_fields),
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BOS_ID, _EOS_ID = 256, 257
@@ -85,15 +111,18 @@ def init_model(
     rope_scaling: RopeScaling | None = None,
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
+    max_window_layers: int = 0,
+    layer_types: Sequence[str] | None = None,
 ) -> Path:
     """Write a random model folder at ``out`` (created; must not hold files yet) and return it.
 
     ``architecture`` is "llama", "mistral" or "qwen2" (q/k/v biases). ``shard_size`` (bytes)
     splits the weights into shards of at most that size (one tensor may exceed it) with a
     ``model.safetensors.index.json``. ``tie_word_embeddings`` overrides the preset's choice;
-    ``sliding_window`` is written for Mistral and Qwen2 (which then sets ``use_sliding_window``).
-    Raises ValueError for an unknown preset, architecture or dtype, FileExistsError for a
-    non-empty ``out``.
+    ``sliding_window`` is written for Mistral and Qwen2 (which then sets ``use_sliding_window``);
+    for Qwen2, ``max_window_layers`` or ``layer_types`` choose which layers slide (see
+    ``AttentionLayout``). Raises ValueError for an unknown preset, architecture or dtype or an
+    option the architecture does not have, FileExistsError for a non-empty ``out``.
     """
     raw = preset_config(
         preset,
@@ -102,6 +131,8 @@ def init_model(
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
         sliding_window=sliding_window,
+        max_window_layers=max_window_layers,
+        layer_types=layer_types,
     )
     folder = Path(out)
     if folder.exists() and any(folder.iterdir()):
@@ -150,9 +181,11 @@ def preset_config(
     rope_scaling: RopeScaling | None = None,
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
+    max_window_layers: int = 0,
+    layer_types: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The ``config.json`` dict ``init_model`` writes for these options (see there); ValueError
-    names an unknown preset, architecture or dtype, or a sliding window for Llama."""
+    names an unknown preset, architecture or dtype, or an option the architecture lacks."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
     if architecture not in _FAMILIES:
@@ -160,8 +193,8 @@ def preset_config(
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {sorted(_DTYPES)}")
     family = _FAMILIES[architecture]
-    if sliding_window is not None and not family.windowed:
-        raise ValueError(f"sliding_window is not supported by architecture {architecture!r}")
+    attention = AttentionLayout(sliding_window, max_window_layers, None if layer_types is None else tuple(layer_types))
+    fields = family.fields(attention)
     spec = PRESETS[preset]
     tied = spec.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
     return {
@@ -185,7 +218,7 @@ def preset_config(
         "eos_token_id": _EOS_ID,
         "torch_dtype": dtype,
         "use_cache": True,
-        **family.fields(sliding_window),
+        **fields,
     }
 
 

@@ -5,6 +5,9 @@ decode token, or the next piece of an unfinished prefill), then waiting sequence
 first served while ``max_num_seqs`` and the free blocks allow. When a running sequence needs
 a block and none is free, the most recently arrived running sequence is preempted: its
 blocks are freed and it is recomputed later from its tokens so far.
+
+With ``attention_reach`` (a model whose every layer slides, ``ModelConfig.attention_reach``) a
+running sequence first gives back its blocks no window reaches from its next query on.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ class Scheduler:
     """Decides which tokens of which sequences each step computes."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 connector: KVConnectorBase | None = None) -> None:
+                 connector: KVConnectorBase | None = None, attention_reach: int | None = None) -> None:
         self.bm = block_manager
+        self.attention_reach = attention_reach
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.connector = connector
@@ -77,6 +81,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.attention_reach is not None:  # the next query, at num_computed, sees back to here
+                self.bm.release_before(seq, seq.num_computed_tokens - self.attention_reach + 1)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()

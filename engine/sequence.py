@@ -35,7 +35,9 @@ class RequestTimes:
 class Sequence:
     """A request: ``token_ids`` is the prompt followed by the tokens generated so far.
 
-    ``num_computed_tokens`` tokens have their KV in ``block_table``'s blocks.
+    ``num_computed_tokens`` tokens have their KV in ``block_table``'s blocks; the first
+    ``num_freed_blocks`` entries are ``block_manager.FREED_BLOCK`` (released: out of every
+    sliding window's reach).
     ``num_cached_tokens``/``num_external_tokens`` record the engine's prefix-cache hits and
     the connector's loaded tokens at the request's last admission.
     """
@@ -53,6 +55,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.num_freed_blocks = 0
         self.num_hashed_blocks = 0
         self.last_block_hash: bytes | None = None
         self.num_cached_tokens = 0

@@ -9,9 +9,11 @@ Design: grid ``(num_seqs, num_kv_heads)``; a program holds the query heads of on
 group (``GROUP`` rows, padded to a power of two) and walks the context ``BLOCK_N`` tokens at
 a time, finding each token's cache row through the block table (so any ``block_size`` works),
 masking tokens at or past the context length, with an online softmax and float32
-accumulation. Scores come from broadcast products rather than ``tl.dot``: decode is bound by
-reading K/V, groups are small (``tl.dot`` wants 16 rows), and bf16 ``tl.dot`` is wrong under
-the interpreter.
+accumulation. With a sliding window W the walk starts at the first visible position
+``context_len - W`` (transformers' ``p - W < j``), so table entries before it (blocks the
+engine may have released) are never read. Scores come from broadcast products rather than
+``tl.dot``: decode is bound by reading K/V, groups are small (``tl.dot`` wants 16 rows), and
+bf16 ``tl.dot`` is wrong under the interpreter.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import triton
 import triton.language as tl
 
 _TILE_ELEMENTS = 8192
+_NO_WINDOW = 2**31 - 1
+"""The window passed for full attention: wider than any context, and an int32 kernel argument."""
 
 
 @triton.jit
@@ -33,7 +37,7 @@ def decode_attention_kernel(
     cache_block_stride, cache_slot_stride,
     table_stride,
     out_seq_stride, out_head_stride,
-    block_size,
+    block_size, window,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -51,7 +55,8 @@ def decode_attention_kernel(
     denom = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
     table = tables_ptr + seq.to(tl.int64) * table_stride
-    for start in range(0, context_len, BLOCK_N):
+    first = tl.maximum(context_len - window, 0)
+    for start in range(first, context_len, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         t_ok = t < context_len
         blocks = tl.load(table + t // block_size, mask=t_ok, other=0).to(tl.int64)
@@ -73,7 +78,7 @@ def decode_attention_kernel(
 
 
 def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of ``query`` ``[N, H, D]`` over each sequence's cached context -> ``[N, H, D]``
     in ``query``'s dtype.
 
@@ -81,7 +86,9 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     float16 or bfloat16; ``H`` a multiple of ``KVH``); ``block_tables`` ``[N, max_blocks]`` and
     ``context_lens`` ``[N]`` (int64 or int32, every length >= 1 and covered by its row of the
     table) live on ``query``'s device. Query row ``i`` attends to cache positions
-    ``[0, context_lens[i])``. ValueError for mismatched shapes or devices.
+    ``[0, context_lens[i])``, or with a sliding ``window`` only the last ``window`` of them
+    (entries of the table before the first visible position are not read). ValueError for
+    mismatched shapes or devices or a window below 1.
     """
     n, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
@@ -91,6 +98,8 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         raise ValueError(f"{n} queries, block tables {tuple(block_tables.shape)}, lens {tuple(context_lens.shape)}")
     if len({query.device, kv_cache.device, block_tables.device, context_lens.device}) != 1:
         raise ValueError("query, kv_cache, block_tables and context_lens must share one device")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be positive or None, got {window}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if n == 0:
         return out
@@ -106,7 +115,7 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         kv_cache.stride(1), kv_cache.stride(2),
         tables.stride(0),
         out.stride(0), out.stride(1),
-        block_size,
+        block_size, _NO_WINDOW if window is None else min(window, _NO_WINDOW),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, DIM_P=dim_p, BLOCK_N=block_n,
     )
     return out

@@ -27,6 +27,6 @@ def qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def mistral_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Mistral (seed 2) with a 2048-token sliding window, so its max_model_len is 2048."""
+    """A tiny Mistral (seed 2) with a 2048-token sliding window (longer than these tests' prompts)."""
     folder = tmp_path_factory.mktemp("models") / "tiny-mistral"
     return init_model("tiny", folder, seed=2, architecture="mistral", sliding_window=2048)

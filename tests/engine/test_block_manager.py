@@ -15,7 +15,7 @@ import pytest
 
 from kvlayer.engine import LLM, SamplingParams
 from kvlayer.engine import block_manager as bm_module
-from kvlayer.engine.block_manager import BlockManager, block_hash, root_hash
+from kvlayer.engine.block_manager import FREED_BLOCK, BlockManager, block_hash, root_hash
 from kvlayer.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -95,6 +95,37 @@ def test_a_prefix_head_outlives_its_tail():
     bm.free_seq(seq)
     assert committed(bm, "new", [20, 21, 22, 23]).block_table == [1]
     assert lookup(bm, A + B) == [0]
+
+
+# ----- releasing blocks out of a sliding window's reach -------------------------------------
+def test_released_blocks_keep_the_table_length_and_their_hashes():
+    bm = BlockManager(num_blocks=5, block_size=4)
+    seq = committed(bm, "s", A + B + C)  # blocks 0-3
+    bm.release_before(seq, 9)  # positions 0-7 are out of reach: blocks 0 and 1
+    assert seq.block_table == [FREED_BLOCK, FREED_BLOCK, 2, 3] and seq.num_freed_blocks == 2
+    assert (bm.num_free_blocks, bm.num_used_blocks) == (3, 2)
+    bm.release_before(seq, 5)  # never taken back
+    assert seq.num_freed_blocks == 2
+    assert lookup(bm, A + B) == [0, 1]  # a released block is a cached block like a freed one
+    seq.token_ids += [17, 18, 19, 20]
+    assert bm.grow(seq, 20)
+    seq.num_computed_tokens = 20
+    bm.commit(seq)  # the chain goes on past the released blocks (the new block is the unused 4)
+    assert lookup(bm, A + B + C + [17, 18, 19, 20]) == [0, 1, 2, 3, 4]
+    bm.free_seq(seq)
+    assert (bm.num_free_blocks, seq.block_table, seq.num_freed_blocks) == (5, [], 0)
+
+
+def test_a_released_block_shared_with_another_sequence_stays_held():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    first = committed(bm, "a", A + B)
+    second = Sequence("b", [*A, *B, 99], SamplingParams())
+    bm.take_hits(second, bm.match_prefix(second))
+    bm.release_before(first, 8)
+    assert first.block_table == [FREED_BLOCK, FREED_BLOCK]
+    assert (bm.num_used_blocks, second.block_table) == (2, [0, 1])
+    bm.free_seq(first)
+    assert bm.num_used_blocks == 2
 
 
 # ----- hashing --------------------------------------------------------------------------------

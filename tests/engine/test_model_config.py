@@ -47,7 +47,7 @@ def test_llama_fields_and_defaults(tmp_path: Path) -> None:
         architecture="llama", vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=3,
         num_heads=8, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=False, qkv_bias=False,
-        o_bias=False, sliding_window=None, bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16",
+        o_bias=False, layer_windows=(None,) * 3, bos_token_id=1, eos_token_ids=(2,), torch_dtype="bfloat16",
         model_name="my-llama",
     )  # fmt: skip
     assert cfg.max_model_len == 4096
@@ -76,18 +76,48 @@ def test_llama_attention_bias_covers_all_four_projections() -> None:
 
 def test_qwen2_biases_and_sliding_window_switch() -> None:
     qwen = {**LLAMA, "model_type": "qwen2", "sliding_window": 1024, "tie_word_embeddings": True}
-    off = parse_model_config({**qwen, "use_sliding_window": False})
-    on = parse_model_config({**qwen, "use_sliding_window": True})
+    off = parse_model_config({**qwen, "use_sliding_window": False, "max_window_layers": 0})
+    on = parse_model_config({**qwen, "use_sliding_window": True, "max_window_layers": 0})
     assert (off.qkv_bias, off.o_bias, off.tie_word_embeddings) == (True, False, True)
-    assert (off.sliding_window, off.max_model_len) == (None, 4096)
-    assert (on.sliding_window, on.max_model_len) == (1024, 1024)
+    assert (off.layer_windows, off.sliding_window, off.attention_reach) == ((None,) * 3, None, None)
+    assert (on.layer_windows, on.sliding_window, on.attention_reach) == ((1024,) * 3, 1024, 1024)
+    assert on.max_model_len == off.max_model_len == 4096  # the window no longer caps the context
 
 
-def test_mistral_sliding_window_caps_max_model_len() -> None:
+def test_qwen2_layers_below_max_window_layers_stay_full() -> None:
+    """transformers' Qwen2Config: layer i slides when i >= max_window_layers (default 28)."""
+    qwen = {**LLAMA, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}
+    assert parse_model_config({**qwen, "max_window_layers": 1}).layer_windows == (None, 64, 64)
+    cfg = parse_model_config(qwen)
+    assert (cfg.layer_windows, cfg.attention_reach) == ((None,) * 3, None)
+    del qwen["sliding_window"]  # absent: transformers' default window of 4096
+    assert parse_model_config({**qwen, "max_window_layers": 2}).layer_windows == (None, None, 4096)
+
+
+def test_qwen2_layer_types_make_a_hybrid() -> None:
+    qwen = {**LLAMA, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True,
+            "max_window_layers": 0}
+    types = ["full_attention", "sliding_attention", "full_attention"]
+    cfg = parse_model_config({**qwen, "layer_types": types})
+    assert (cfg.layer_windows, cfg.sliding_window, cfg.attention_reach) == ((None, 64, None), 64, None)
+    with pytest.raises(ModelConfigError, match="no sliding_window"):
+        parse_model_config({**qwen, "use_sliding_window": False, "layer_types": types})
+    with pytest.raises(ModelConfigError, match="linear_attention"):
+        parse_model_config({**qwen, "layer_types": ["linear_attention"] * 3})
+    with pytest.raises(ModelConfigError, match="layer_types"):
+        parse_model_config({**qwen, "layer_types": types[:2]})
+
+
+def test_mistral_window_applies_to_every_layer() -> None:
+    """transformers' Mistral slides every layer and ignores layer_types; Llama has no window at all."""
     mistral = {**LLAMA, "model_type": "mistral", "attention_bias": True}
-    assert parse_model_config({**mistral, "sliding_window": 512}).max_model_len == 512
+    cfg = parse_model_config({**mistral, "sliding_window": 512, "layer_types": ["full_attention"] * 3})
+    assert (cfg.layer_windows, cfg.attention_reach, cfg.max_model_len) == ((512,) * 3, 512, 4096)
     cfg = parse_model_config({**mistral, "sliding_window": None})
-    assert (cfg.max_model_len, cfg.qkv_bias) == (4096, False)
+    assert (cfg.layer_windows, cfg.max_model_len, cfg.qkv_bias) == ((None,) * 3, 4096, False)
+    assert parse_model_config(mistral).layer_windows == (4096,) * 3  # absent: transformers' default
+    llama = parse_model_config({**LLAMA, "sliding_window": 64, "layer_types": ["sliding_attention"] * 3})
+    assert llama.layer_windows == (None,) * 3
 
 
 def test_architecture_from_class_name() -> None:

@@ -63,9 +63,14 @@ def test_architectures_and_options(qwen2_model_dir: Path, mistral_model_dir: Pat
     )
     assert "lm_head.weight" not in load_file(qwen2_model_dir / "model.safetensors")
     mistral = load_model_config(mistral_model_dir)
-    assert (mistral.architecture, mistral.sliding_window, mistral.max_model_len) == ("mistral", 2048, 2048)
+    assert (mistral.architecture, mistral.layer_windows, mistral.max_model_len) == ("mistral", (2048, 2048), 4096)
     windowed = init_model("tiny", tmp_path / "q", architecture="qwen2", sliding_window=1000)
-    assert load_model_config(windowed).max_model_len == 1000
+    assert load_model_config(windowed).layer_windows == (1000, 1000)
+    half = init_model("tiny", tmp_path / "half", architecture="qwen2", sliding_window=24, max_window_layers=1)
+    assert load_model_config(half).layer_windows == (None, 24)
+    hybrid = init_model("tiny", tmp_path / "h", architecture="qwen2", sliding_window=24,
+                        layer_types=("sliding_attention", "full_attention"))
+    assert load_model_config(hybrid).layer_windows == (24, None)
 
 
 def test_sharding_writes_an_index_covering_every_tensor(tmp_path: Path) -> None:
@@ -97,6 +102,9 @@ def test_bad_arguments(tmp_path: Path, tiny_model_dir: Path) -> None:
         init_model("tiny", tmp_path / "x", dtype="int8")
     with pytest.raises(ValueError, match="sliding_window"):
         init_model("tiny", tmp_path / "x", sliding_window=64)
+    with pytest.raises(ValueError, match="layer_types"):  # transformers' Mistral would ignore them
+        init_model("tiny", tmp_path / "x", architecture="mistral", sliding_window=8,
+                   layer_types=("full_attention", "sliding_attention"))
     with pytest.raises(FileExistsError):
         init_model("tiny", tiny_model_dir)
 

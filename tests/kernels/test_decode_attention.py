@@ -1,5 +1,6 @@
 """Tests of engine/triton_attention.py: the Triton decode kernel (run by Triton's interpreter, see
-conftest.py) matches the engine's torch paged attention, computed in float32."""
+conftest.py) matches the engine's torch paged attention, computed in float32, with and without a
+sliding window."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 """Max abs error against float32: the output's rounding to the input dtype dominates."""
 
 
-def _reference(query, cache, tables, lens, block_size, scale) -> torch.Tensor:
+def _reference(query, cache, tables, lens, block_size, scale, window=None) -> torch.Tensor:
     n = query.shape[0]
     meta = AttentionMetadata(torch.zeros(n, dtype=torch.long), n, tables, lens, (), block_size)
-    return paged_attention(query.float(), query, query, cache.float(), meta, scale)
+    return paged_attention(query.float(), query, query, cache.float(), meta, scale, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -52,6 +53,28 @@ def test_decode_ignores_cache_past_the_context() -> None:
     cache[:, 3] = float("inf")
     cache[:, 4, 1:] = float("nan")
     assert torch.equal(decode_attention(query, cache, tables, lens, 0.2), before)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 500])
+def test_decode_with_a_sliding_window_matches_torch(window: int) -> None:
+    """Each query sees only the last ``window`` positions (transformers' ``p - W < j <= p``); the
+    table entries wholly before them may be released blocks (negative ids) and are not read."""
+    gen = torch.Generator().manual_seed(window)
+    block_size, lens = 8, torch.tensor([1, 7, 8, 9, 41, 77])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(2 * width, generator=gen)[:width] for _ in range(len(lens))])
+    cache = torch.randn((2, 2 * width, block_size, 2, 32), generator=gen)
+    query = torch.randn((len(lens), 4, 32), generator=gen)
+    want = _reference(query, cache, tables, lens, block_size, 0.2, window)
+    assert (decode_attention(query, cache, tables, lens, 0.2, window) - want).abs().max().item() <= 1e-5
+    released = (lens - window).clamp(min=0) // block_size
+    tables[torch.arange(width)[None, :] < released[:, None]] = -1
+    assert (decode_attention(query, cache, tables, lens, 0.2, window) - want).abs().max().item() <= 1e-5
+    if window >= int(lens.max()):  # a window wider than every context is full attention
+        assert torch.equal(decode_attention(query, cache, tables, lens, 0.2, window),
+                           decode_attention(query, cache, tables, lens, 0.2))
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(query, cache, tables, lens, 0.2, 0)
 
 
 def test_decode_refuses_mismatched_shapes() -> None:
