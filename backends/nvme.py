@@ -1,7 +1,8 @@
 """The NVMe tier: one file per chunk under a folder, an LRU index in memory, warm restarts.
 
 Enabled by ``nvme_path`` (``nvme_capacity`` bytes of files at most, ``nvme_fsync`` to flush
-each file, ``compression: lz4`` to compress payloads). A file is the ``kvlayer.serde``
+each file, ``compression: lz4`` to compress payloads, ``storage_quantization`` to store them as
+int8 or fp8, lossy: ``kvlayer.quantize``). A file is the ``kvlayer.serde``
 header then the payload; files are written atomically (``backends/nvme_files.py``) and the
 index (``backends/nvme_index.py``) is rebuilt from their headers on first use, so a new
 process on the same folder serves what an earlier one wrote. Reads run on worker threads
@@ -55,10 +56,12 @@ class NvmeBackend(StorageBackend):
     rank = 20
 
     def __init__(self, root: str, capacity: int, layout: KVLayout, staging: Arena, *,
-                 fsync: bool = False, compression: str = "none",
+                 fsync: bool = False, compression: str = "none", quantization: str = "none",
                  concurrency: int = DEFAULT_CONCURRENCY) -> None:
         if compression not in serde.COMPRESSION_CODES:
             raise ValueError(f"compression must be one of {sorted(serde.COMPRESSION_CODES)}")
+        if quantization not in serde.QUANTIZATION_CODES:
+            raise ValueError(f"quantization must be one of {sorted(serde.QUANTIZATION_CODES)}")
         if concurrency <= 0:
             raise ValueError(f"concurrency must be positive, got {concurrency}")
         self.root = root
@@ -66,6 +69,7 @@ class NvmeBackend(StorageBackend):
         self._staging = staging
         self._fsync = fsync
         self._compression = compression
+        self._quantization = quantization
         self._index = NvmeIndex(capacity)
         self._writing: set[bytes] = set()
         self._write_done = asyncio.Event()
@@ -85,7 +89,7 @@ class NvmeBackend(StorageBackend):
             return None
         root = os.path.abspath(os.path.expanduser(cfg.nvme_path))
         return cls(root, cfg.nvme_capacity, ctx.layout, ctx.staging, fsync=cfg.nvme_fsync,
-                   compression=cfg.compression)
+                   compression=cfg.compression, quantization=cfg.storage_quantization)
 
     # --- the StorageBackend interface -------------------------------------------------
     async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
@@ -109,7 +113,7 @@ class NvmeBackend(StorageBackend):
         """``StorageBackend.read_layers`` with one ranged read per file and layer group (all
         files' group g, spread over the worker threads, before any file's group g + 1)."""
         await self._ready()
-        if self._compression != "none":
+        if self._compression != "none" or self._quantization != "none":  # files read whole, then decoded
             return await super().read_layers(keys, outs, groups, on_group)
         entries = [self._index.get(k.digest) for k in keys]
         reads = [nvme_files.RangedRead(e.path, k, o.tensor) if e is not None else None
@@ -245,7 +249,8 @@ class NvmeBackend(StorageBackend):
             self._fault("staging_full", entry.path, "the staging arena is full")
             return None
         try:
-            n = await nvme_reads.fill(obj, nvme_files.load_chunk, entry.path, key, obj.tensor, entry.size)
+            n = await nvme_reads.fill(obj, nvme_files.load_chunk, entry.path, key, obj.tensor, entry.size,
+                                      self._quantization)
         except serde.ChunkFormatError as e:
             self._corrupt(entry, e)
             return None
@@ -277,7 +282,8 @@ class NvmeBackend(StorageBackend):
 
     async def _write(self, key: ChunkKey, chunk: MemoryObj) -> None:
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
-        header, payload = await asyncio.to_thread(serde.encode_chunk, key, tensor, self._compression)
+        header, payload = await asyncio.to_thread(serde.encode_chunk, key, tensor, self._compression,
+                                                  self._quantization)
         size = len(header) + len(payload)
         path = nvme_files.chunk_path(self.root, key.digest, key.start)
         victims = await self._reserve(size)

@@ -168,15 +168,16 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def load_chunk(path: str, key: ChunkKey, out: torch.Tensor, file_size: int) -> int:
+def load_chunk(path: str, key: ChunkKey, out: torch.Tensor, file_size: int, quantization: str = "none") -> int:
     """Read the chunk file at ``path`` into ``out`` and verify it is ``key``'s; the bytes read.
 
     A raw chunk file (``file_size`` is the header plus ``out``'s bytes) is read with one
     ``readv`` straight into ``out`` and verified there (``decode_payload`` of ``out``'s own
-    bytes only checks them: numpy skips a copy onto itself); any other file (lz4) is read
-    whole, then decoded into ``out``. Raises ChunkFormatError when the file is not a valid
-    chunk of ``key`` with ``out``'s shape and dtype, OSError when it cannot be read; ``out``
-    then holds garbage. Blocking: run it in a worker thread.
+    bytes only checks them: numpy skips a copy onto itself); any other file (lz4, quantized) is
+    read whole, then decoded into ``out``. Raises ChunkFormatError when the file is not a valid
+    chunk of ``key`` with ``out``'s shape and dtype and a payload quantized as ``quantization``
+    says, OSError when it cannot be read; ``out`` then holds garbage. Blocking: run it in a
+    worker thread.
     """
     dst = memoryview(out.view(-1).view(torch.uint8).numpy())
     raw_end = serde.HEADER_SIZE + len(dst)
@@ -190,7 +191,7 @@ def load_chunk(path: str, key: ChunkKey, out: torch.Tensor, file_size: int) -> i
         data = memoryview(read_file(path))
         head_view, payload = data[: serde.HEADER_SIZE], data[serde.HEADER_SIZE :]
     header = serde.decode_header(head_view)
-    serde.check_header(header, key, tuple(out.shape), out.dtype)
+    serde.check_header(header, key, tuple(out.shape), out.dtype, quantization)
     serde.decode_payload(header, payload, out)
     return len(head_view) + len(payload)
 
@@ -310,8 +311,8 @@ class RangedRead:
         _pread_exactly(self._fd, [head, self._dst[:end]], 0)
         self._header = serde.decode_header(head)
         serde.check_header(self._header, self._key, tuple(self._out.shape), self._out.dtype)
-        if self._header.compression != serde.COMPRESSION_CODES["none"]:
-            raise serde.ChunkFormatError("a compressed chunk cannot be read by layers")
+        if not self._header.raw:
+            raise serde.ChunkFormatError("a compressed or quantized chunk cannot be read by layers")
         self._hasher.update(self._dst[:end])
         self._done = end
         return serde.HEADER_SIZE + end

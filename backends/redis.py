@@ -124,7 +124,7 @@ class RedisBackend(StorageBackend):
         if not cfg.redis_url:
             return None
         settings = RedisSettings(cfg.redis_url, cfg.redis_cluster, cfg.redis_ttl_s, cfg.redis_key_prefix,
-                                 cfg.compression, cfg.tier_timeout_ms / 1000)
+                                 cfg.compression, cfg.tier_timeout_ms / 1000, cfg.storage_quantization)
         return cls(settings, ctx.layout, ctx.staging)
 
     def redis_keys(self, key: ChunkKey) -> ChunkNames:
@@ -152,8 +152,8 @@ class RedisBackend(StorageBackend):
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         if not keys:
             return []
-        wants = [Expected(k, self._layout.chunk_shape(k.num_tokens), self._layout.dtype, self._staging)
-                 for k in keys]
+        wants = [Expected(k, self._layout.chunk_shape(k.num_tokens), self._layout.dtype, self._staging,
+                          self.settings.quantization) for k in keys]
         async with self._deadline():
             if self.settings.cluster or not buffered_replies:
                 replies = await self._get_parsed(wants)
@@ -168,8 +168,9 @@ class RedisBackend(StorageBackend):
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
         """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s of the bodies by layer group
-        (``backends/redis_reads.py``); compressed values and cluster mode read whole values."""
-        if self.settings.cluster or self.settings.compression != "none" or not keys or not buffered_replies:
+        (``backends/redis_reads.py``); compressed or quantized values and cluster mode read whole values."""
+        encoded = self.settings.compression != "none" or self.settings.quantization != "none"
+        if self.settings.cluster or encoded or not keys or not buffered_replies:
             return await super().read_layers(keys, outs, groups, on_group)
         names = [self.redis_keys(k) for k in keys]
         async with self._deadline():
@@ -244,9 +245,9 @@ class RedisBackend(StorageBackend):
 
     # --- encoding and decoding --------------------------------------------------------
     def _encode(self, key: ChunkKey, chunk: MemoryObj) -> tuple[bytes, PiecewiseValue]:
-        """The head and body values; the body is a view of the chunk (or of its lz4 frame)."""
+        """The head and body values; the body is a view of the chunk (or of its encoded form)."""
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
-        head, body = split(*serde.encode_chunk(key, tensor, self.settings.compression))
+        head, body = split(*serde.encode_chunk(key, tensor, self.settings.compression, self.settings.quantization))
         return head, PiecewiseValue((body,))
 
     def _tally(self, reads: Sequence[tuple[ChunkNames, bool, int, Exception | None, bool]]) -> None:

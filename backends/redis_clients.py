@@ -34,6 +34,8 @@ class RedisSettings:
     prefix: str = "kvlayer"
     compression: str = "none"
     timeout_s: float = 2.0
+    quantization: str = "none"
+    """``storage_quantization``: how payloads are written, and the only encoding reads accept."""
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -44,6 +46,8 @@ class RedisSettings:
             raise ValueError(f"redis_key_prefix must be non-empty, without {{}}*?[]\\, got {self.prefix!r}")
         if self.compression not in serde.COMPRESSION_CODES:
             raise ValueError(f"compression must be one of {sorted(serde.COMPRESSION_CODES)}")
+        if self.quantization not in serde.QUANTIZATION_CODES:
+            raise ValueError(f"quantization must be one of {sorted(serde.QUANTIZATION_CODES)}")
         if self.timeout_s <= 0:
             raise ValueError(f"tier_timeout_ms must be positive, got {self.timeout_s * 1000}")
 

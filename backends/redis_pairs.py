@@ -51,12 +51,14 @@ class ChunkNames(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Expected:
-    """What a key's chunk must be: its key, shape and dtype, and the arena its copy goes to."""
+    """What a key's chunk must be: its key, shape, dtype and payload quantization, and the arena
+    its copy goes to."""
 
     key: ChunkKey
     shape: tuple[int, ...]
     dtype: torch.dtype
     staging: Arena
+    quantization: str = "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +117,12 @@ def body_len(header: serde.ChunkHeader) -> int:
 
 
 def check_head(head: bytes | memoryview, size: int, key: ChunkKey, shape: tuple[int, ...],
-               dtype: torch.dtype) -> serde.ChunkHeader:
+               dtype: torch.dtype, quantization: str = "none") -> serde.ChunkHeader:
     """The header of a ``size``-byte head value starting with ``head`` (at least its header
-    bytes) if it is ``key``'s chunk of ``shape`` and ``dtype``; ChunkFormatError if not."""
+    bytes) if it is ``key``'s chunk of ``shape`` and ``dtype`` with a payload quantized as
+    ``quantization`` says; ChunkFormatError if not."""
     header = serde.decode_header(head)
-    serde.check_header(header, key, shape, dtype)
+    serde.check_header(header, key, shape, dtype, quantization)
     expected = serde.HEADER_SIZE + tail_len(header.payload_len)
     if size != expected:
         raise serde.ChunkFormatError(f"head is {size} bytes, its header says {expected}")
@@ -140,7 +143,7 @@ def decode_pair(head: Any, body: Any, want: Expected) -> Reply:
         return Reply(None, True, HalfChunk(f"{'body' if body is None else 'head'} missing"), len(head or body or b""))
     nbytes = len(head) + len(body)
     try:
-        header = check_head(head, len(head), want.key, want.shape, want.dtype)
+        header = check_head(head, len(head), want.key, want.shape, want.dtype, want.quantization)
         check_body(header, len(body))
     except serde.ChunkFormatError as e:
         return Reply(None, True, e, nbytes)

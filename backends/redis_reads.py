@@ -5,22 +5,22 @@ whole chunks into staging objects (``get_many``) and layer groups into the calle
 Both send one pipeline, then read its replies in order under one ``switched_replies``: every
 payload byte is received by the socket straight into the chunk it belongs to and hashed as it
 lands, while it is still in cache; the payload's last bytes (the tail) come with the head. One
-function, ``_read_head``, checks a head for both (its serde header against the key, shape and
-dtype, its size against the header) and keeps its tail.
+function, ``_read_head``, checks a head for both (its serde header against the key, shape,
+dtype and quantization, its size against the header) and keeps its tail.
 
 Whole chunks (``read_whole_on``): one ``MGET head body`` per chunk, which reads both keys at one
 instant, so a chunk written or deleted meanwhile is seen whole or not at all; only a key Redis
 evicted or expired alone makes a ``HalfChunk``. The body goes into a staging object allocated
-once the head and the body's size check out (a full arena: the body is skipped); lz4 payloads
-are received whole into scratch memory, then decoded.
+once the head and the body's size check out (a full arena: the body is skipped); lz4 and
+quantized payloads are received whole into scratch memory, then decoded.
 
 Layer groups (``read_layers_on``): the payload is raw and layer-major, so layers ``[lo, hi)`` are
 payload bytes ``lo * L .. hi * L - 1`` (L: one layer's bytes): a ``GETRANGE`` of the body at
 those offsets, then, for the last group(s), bytes of the tail. One pipeline asks ``GET`` of every
 head and ``STRLEN`` of every body (a missing head: a missing chunk; a head without its body: a
 ``HalfChunk``), then ``GETRANGE`` of group 0 of every body, then group 1, and so on; each chunk's
-running checksum is checked after its last group. Raw values only: compressed chunks and cluster
-mode go through whole reads.
+running checksum is checked after its last group. Raw values only: compressed or quantized chunks
+and cluster mode go through whole reads.
 
 A value of the wrong size, type, header or checksum fails its key only; a broken stream raises
 ``ProtocolError`` (or the transport's errors), after which the connection must be dropped
@@ -53,16 +53,15 @@ from .redis_pairs import (
 )
 from .redis_replies import BufferedReplies, ProtocolError, parse_bulk_size, switched_replies
 
-_RAW = serde.COMPRESSION_CODES["none"]
 
-
-async def _read_head(wire: BufferedReplies, size: int, key: ChunkKey, shape: tuple[int, ...],
-                     dtype: torch.dtype) -> tuple[serde.ChunkHeader | None, bytes, serde.ChunkFormatError | None]:
+async def _read_head(wire: BufferedReplies, size: int, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype,
+                     quantization: str = "none",
+                     ) -> tuple[serde.ChunkHeader | None, bytes, serde.ChunkFormatError | None]:
     """Read a ``size``-byte head value (after its length line, through its CRLF): ``(header, tail,
-    None)`` if it is ``key``'s chunk of ``shape`` and ``dtype``, else ``(None, b"", why)``."""
+    None)`` if it is ``key``'s chunk of ``shape``, ``dtype`` and ``quantization``, else ``(None, b"", why)``."""
     head = await wire.exactly(min(size, serde.HEADER_SIZE))
     try:
-        header = check_head(head, size, key, shape, dtype)
+        header = check_head(head, size, key, shape, dtype, quantization)
     except serde.ChunkFormatError as e:
         await wire.skip(size - len(head))
         return None, b"", e
@@ -99,8 +98,8 @@ async def _read_pair(wire: BufferedReplies, want: Expected) -> Reply:
     if line != b"*2\r\n":
         raise ProtocolError(f"unexpected reply to MGET: {line[:80]!r}")
     head_size = await wire.bulk_size()
-    header, tail, error = (await _read_head(wire, head_size, want.key, want.shape, want.dtype) if head_size >= 0
-                           else (None, b"", None))
+    header, tail, error = (await _read_head(wire, head_size, want.key, want.shape, want.dtype, want.quantization)
+                           if head_size >= 0 else (None, b"", None))
     size = await wire.bulk_size()
     nbytes = max(head_size, 0) + max(size, 0)
     if head_size < 0 and size < 0:
@@ -120,7 +119,7 @@ async def _read_pair(wire: BufferedReplies, want: Expected) -> Reply:
 async def _read_body(wire: BufferedReplies, header: serde.ChunkHeader, size: int, tail: bytes, nbytes: int,
                      want: Expected) -> Reply:
     """The reply for a checked head and the ``size``-byte body (then CRLF) coming next."""
-    if header.compression != _RAW:
+    if not header.raw:
         payload = memoryview(bytearray(size + len(tail)))
         await wire.into(payload[:size])
         await wire.crlf()
@@ -240,7 +239,7 @@ async def _read_head_reply(wire: BufferedReplies, v: RangedValue) -> None:
         return
     v.nbytes += size
     header, tail, error = await _read_head(wire, size, v.key, tuple(v.out.shape), v.out.dtype)
-    if header is not None and (header.compression != _RAW or header.payload_len != len(v.dst)):
+    if header is not None and (not header.raw or header.payload_len != len(v.dst)):
         header, error = None, serde.ChunkFormatError("not a raw chunk of this shape")
     if error is not None:
         v.fail(error)

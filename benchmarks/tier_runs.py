@@ -3,7 +3,8 @@
 ``Batch.random`` makes ``count`` chunks of random float32 KV with their keys;
 ``measure_tier`` builds the tier from a ``KVLayerConfig``, then per run removes the batch,
 puts it (timed) and gets it back (timed; for nvme also cold, after dropping the page cache);
-an untimed first run warms up and checks the chunks come back exact. Figures are GiB/s of raw KV bytes.
+an untimed first run warms up and checks the chunks come back exact (with ``storage_quantization``,
+within its error bound). Figures are GiB/s of raw KV bytes, and the bytes the tier stored per token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvlayer.config import KVLayerConfig
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj
+from kvlayer.quantize import QUANTIZERS
 from kvlayer.storage import BackendContext, StorageBackend
 
 
@@ -69,7 +71,9 @@ class Batch:
 
 async def measure_tier(tier: str, config: KVLayerConfig, batch: Batch, repeat: int) -> dict[str, float | None]:
     """``put_gib_s`` and ``get_gib_s`` of ``tier`` built from ``config`` (nvme: also ``get_cold_gib_s``,
-    None where the page cache cannot be dropped). RuntimeError if the tier misses or alters a chunk."""
+    None where the page cache cannot be dropped) and ``stored_bytes_per_token`` (what the tier wrote
+    per token, headers included; the KV's own for cpu). RuntimeError if the tier misses or alters a
+    chunk (beyond the error bound of ``config.storage_quantization``)."""
     backend = _build(tier, config, batch)
     dest = torch.empty((batch.count, *batch.layout.chunk_shape(batch.tokens)), dtype=batch.layout.dtype)
     # The CPU tier answers with its own slots: the copy out of them is part of getting the bytes.
@@ -82,15 +86,17 @@ async def measure_tier(tier: str, config: KVLayerConfig, batch: Batch, repeat: i
             start = time.perf_counter()
             await backend.put_many(batch.keys, batch.chunks)
             put = min(put, time.perf_counter() - start) if run else put
-            took = await _timed_get(backend, batch, consume, check=run == 0)
+            took = await _timed_get(backend, batch, consume, check=config.storage_quantization if run == 0 else None)
             get = min(get, took) if run else get
             if cold is not None and cold():
-                took = await _timed_get(backend, batch, consume, check=False)
+                took = await _timed_get(backend, batch, consume, check=None)
                 get_cold = min(get_cold, took) if run else get_cold
+        written = backend.stats().get("bytes_written", (repeat + 1) * batch.nbytes)
     finally:
         await backend.close()
     gib = batch.nbytes / GIB
-    out: dict[str, float | None] = {"put_gib_s": gib / put, "get_gib_s": gib / get}
+    out: dict[str, float | None] = {"put_gib_s": gib / put, "get_gib_s": gib / get,
+                                    "stored_bytes_per_token": written / ((repeat + 1) * batch.count * batch.tokens)}
     if tier == "nvme":
         out["get_cold_gib_s"] = gib / get_cold if get_cold < float("inf") else None
     return out
@@ -131,8 +137,9 @@ def _build(tier: str, config: KVLayerConfig, batch: Batch) -> StorageBackend:
 
 
 async def _timed_get(backend: StorageBackend, batch: Batch, consume: Callable[[Sequence[MemoryObj]], Any] | None,
-                     check: bool) -> float:
-    """Seconds to get the whole batch (and ``consume`` it); every chunk must come back."""
+                     check: str | None) -> float:
+    """Seconds to get the whole batch (and ``consume`` it); every chunk must come back, and with
+    ``check`` (a ``storage_quantization``) be the batch's (exact, or within that error bound)."""
     start = time.perf_counter()
     got = await backend.get_many(batch.keys)
     try:
@@ -142,13 +149,21 @@ async def _timed_get(backend: StorageBackend, batch: Batch, consume: Callable[[S
         if consume is not None:
             consume(objs)
         elapsed = time.perf_counter() - start
-        if check and not all(torch.equal(o.tensor, c.tensor) for o, c in zip(objs, batch.chunks)):
+        if check is not None and not all(_close(o.tensor, c.tensor, check) for o, c in zip(objs, batch.chunks)):
             raise RuntimeError(f"the {backend.name} tier returned altered chunks")
         return elapsed
     finally:
         for obj in got:
             if obj is not None:
                 obj.release()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, quantization: str) -> bool:
+    """Whether ``got`` is ``want`` stored under ``quantization`` (exact for none)."""
+    if quantization == "none":
+        return torch.equal(got, want)
+    bound = QUANTIZERS[quantization].error_bound(want)
+    return bool(((got.float() - want.float()).abs() <= bound * (1 + 1e-5) + 1e-6).all())
 
 
 def _dropper(root: Path) -> Callable[[], bool]:

@@ -3,8 +3,9 @@
 Chunks have the KV layout of the ``--preset`` model in float32 (layers x 2 x tokens x
 kv_heads x head_dim x 4 bytes: 6 MiB for the ``bench`` preset's 256-token chunk), one size per
 ``--chunk-tokens``. Each tier puts, then gets, one batch of ``--chunks`` chunks through its
-``StorageBackend`` methods (best of ``--repeat``), without and with lz4, and is compared with
-the raw ceiling measured in the same run (``kvlayer.benchmarks.tier_ceilings``):
+``StorageBackend`` methods (best of ``--repeat``), without and with lz4 (nvme and redis: per
+``--quantizations`` too, exact only by default), and is compared with the raw ceiling measured in
+the same run (``kvlayer.benchmarks.tier_ceilings``); ``B/tok`` is what the tier stored per token:
 
 - cpu: put copies into the tier's arena; get hands out the tier's own slots (zero copy), so
   it is timed with the one copy any consumer makes out of them. Ceiling: memcpy.
@@ -21,12 +22,16 @@ for the same bytes (cpu: torch ``index_copy_``/``index_select`` of the same slot
 reads, warm and cold, and writes of the tier's files; redis: raw pipelined ``GET``s/``SET``s),
 with a goal line per row (ours >= ``GOAL_RATIO`` of the ceiling).
 
+With int8 or fp8 among ``--quantizations``, the quality rows (``kvlayer.benchmarks.tier_quality``):
+NVMe hits of a random ``--preset`` model through the bundled engine, quantized and exact: bytes per
+token, TTFT, greedy-token agreement and the largest logit difference against no kvlayer.
+
 Throughput counts KV bytes (the raw chunk, before lz4) per second; data is random float32
 (real-valued KV barely compresses). ``--redis-url`` names a server; without it a local
 redis-server is started when the binary exists, else the Redis rows are skipped with a note.
 ``KVLAYER_SMOKE=1`` shrinks the run to the ``tiny`` preset, 4 chunks and one run.
 
-Run: ``kvlayer bench tiers [--chunk-tokens 64,256] [--engine-tokens 2048] [--json PATH]``.
+Run: ``kvlayer bench tiers [--chunk-tokens 64,256] [--engine-tokens 2048] [--quantizations none,int8]``.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ CEILINGS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``kvlayer bench tiers`` (``--model`` and ``--device`` are not used)."""
     from kvlayer.engine.presets import PRESETS
+    from kvlayer.quantize import QUANTIZATIONS
 
     p.add_argument("--preset", default="bench", choices=sorted(PRESETS),
                    help="model preset whose KV layout sizes the chunks")
@@ -87,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tiers to measure, of {list(TIERS)}")
     p.add_argument("--compressions", type=_names_of(("none", "lz4"), "compression"), default=["none", "lz4"],
                    help="payload compressions to measure")
+    p.add_argument("--quantizations", type=_names_of(QUANTIZATIONS, "quantization"), default=["none"],
+                   help="storage_quantization values to measure on nvme and redis (int8 or fp8 adds the quality rows)")
+    p.add_argument("--quality-prompts", type=nonnegative_int, default=8,
+                   help="prompts of the quality rows (0: no such rows)")
+    p.add_argument("--quality-tokens", type=positive_int, default=16, help="greedy tokens per prompt there")
     p.add_argument("--nvme-path", help="folder for the disk figures (default: a temporary one under --home)")
     p.add_argument("--redis-url", help="Redis server to measure (default: a local redis-server, if installed)")
     p.add_argument("--engine-tokens", type=nonnegative_int, default=2048,
@@ -112,9 +123,10 @@ def _names_of(allowed: tuple[str, ...] | list[str], what: str) -> Callable[[str]
 
 def main(args: argparse.Namespace) -> int:
     """Measure, print the table, write ``--json`` and ``--plot``; 0 on success (ValueError for a bad option)."""
+    from kvlayer.benchmarks.tier_quality import print_quality, quality_rows
     from kvlayer.engine.presets import PRESETS
 
-    tiers, compressions = list(args.tiers), list(args.compressions)
+    tiers, compressions, quantizations = list(args.tiers), list(args.compressions), list(args.quantizations)
     if args.torch_threads:
         import torch
 
@@ -122,17 +134,22 @@ def main(args: argparse.Namespace) -> int:
     notes: list[str] = []
     if os.environ.get("KVLAYER_SMOKE") == "1":  # the docs' smoke runs: the documented command, tiny sizes
         args = argparse.Namespace(**{**vars(args), "preset": "tiny", "chunks": min(args.chunks, 4), "repeat": 1,
-                                     "engine_tokens": min(args.engine_tokens, 256)})
+                                     "engine_tokens": min(args.engine_tokens, 256),
+                                     "quality_prompts": min(args.quality_prompts, 2),
+                                     "quality_tokens": min(args.quality_tokens, 4)})
         notes.append("KVLAYER_SMOKE=1: tiny preset, at most 4 chunks and 256 engine tokens, one run")
     with _redis_url(args.redis_url if "redis" in tiers else None, "redis" in tiers, notes) as url, \
             _nvme_folder(args.nvme_path, args.home) as folder:
         sizes = list(args.chunk_tokens)
-        runs = len(sizes) * sum((1 if t == "cpu" else len(compressions)) + bool(args.engine_tokens) for t in tiers)
+        runs = len(sizes) * sum((1 if t == "cpu" else len(compressions) * len(quantizations)) + bool(args.engine_tokens)
+                                for t in tiers)
         with progress(runs, "bench tiers") as advance:
-            results = [_measure_size(args, PRESETS[args.preset], n, tiers, compressions, folder, url, advance)
-                       for n in sizes]
+            results = [_measure_size(args, PRESETS[args.preset], n, tiers, (compressions, quantizations), folder, url,
+                                     advance) for n in sizes]
+        quality = quality_rows(args, quantizations, folder, sizes[0])
     notes += _memory_notes(results)
     _print(args, results, notes)
+    print_quality(quality)
     spec = PRESETS[args.preset]
     model = {"name": args.preset, "preset": args.preset, "layers": spec.num_layers, "kv_heads": spec.num_kv_heads,
              "head_dim": spec.head_dim, "dtype": "float32"}
@@ -141,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
               "repeat": args.repeat, "goals": {"get_ratio": GOAL_GET_RATIO,
                                                "redis_memory_per_kv_byte": GOAL_REDIS_MEMORY,
                                                "engine_ratio": GOAL_RATIO},
-              "ceilings": CEILINGS, "engine_ceilings": ENGINE_CEILINGS, "notes": notes, "results": results}
+              "ceilings": CEILINGS, "engine_ceilings": ENGINE_CEILINGS, "notes": notes, "results": results,
+              "quality": quality}
     write_json(args.json, record)
     _plot(args.plot, results, record)
     return 0
@@ -157,7 +175,8 @@ def _plot(path: str | None, results: list[dict[str, Any]], record: dict[str, Any
         labels, values = [], []
         for res in results:
             for r in res["tiers"]:
-                labels.append(f"{r['tier']}/{r['compression']}\n{res['chunk_tokens']} tok")
+                quant = "" if r["quantization"] == "none" else f"/{r['quantization']}"
+                labels.append(f"{r['tier']}/{r['compression']}{quant}\n{res['chunk_tokens']} tok")
                 values.append(r.get(f"{op}_ratio") or 0.0)
         ax.bar(range(len(values)), values, color="tab:blue" if op == "get" else "tab:orange")
         ax.axhline(GOAL_GET_RATIO, color="0.4", linestyle="--", linewidth=1)
@@ -178,9 +197,11 @@ def _plot(path: str | None, results: list[dict[str, Any]], record: dict[str, Any
     close_figure(fig)
 
 
-def _measure_size(args: argparse.Namespace, preset: Any, tokens: int, tiers: list[str], compressions: list[str],
-                  folder: str, url: str | None, advance: Callable[[], None]) -> dict[str, Any]:
-    """Ceilings and tier figures for one chunk size."""
+def _measure_size(args: argparse.Namespace, preset: Any, tokens: int, tiers: list[str],
+                  encodings: tuple[list[str], list[str]], folder: str, url: str | None,
+                  advance: Callable[[], None]) -> dict[str, Any]:
+    """Ceilings and tier figures for one chunk size; ``encodings`` are the compressions and the
+    quantizations to measure (cpu: exact payloads only)."""
     import torch  # here, not at the top: building the CLI parser imports this module
 
     from kvlayer.benchmarks.tier_runs import Batch, measure_tier, redis_memory_ratio
@@ -198,12 +219,13 @@ def _measure_size(args: argparse.Namespace, preset: Any, tokens: int, tiers: lis
                 continue
             # Each ceiling is measured right before its tier, so both see the same machine load.
             ceilings[_CEILING_OF[tier][0]] = _ceiling(tier, args.chunks, value, args.repeat, folder, url)
-            for comp in compressions if tier != "cpu" else ["none"]:
-                config = _config(tier, batch, comp, folder, url)
+            for comp, quant in _encodings(tier, *encodings):
+                config = _config(tier, batch, comp, quant, folder, url)
                 figures = asyncio.run(measure_tier(tier, config, batch, args.repeat))
                 if tier == "redis":
                     figures["memory_per_kv_byte"] = redis_memory_ratio(config, batch)
-                rows.append({"tier": tier, "compression": comp, **figures, **_ratios(tier, figures, ceilings)})
+                rows.append({"tier": tier, "compression": comp, "quantization": quant, **figures,
+                             **_ratios(tier, figures, ceilings)})
                 advance()
     finally:
         batch.close()
@@ -230,18 +252,26 @@ def _engine_rows(args: argparse.Namespace, layout: KVLayout, chunk_tokens: int, 
     return {"tokens": tokens, "kv_bytes": seq.nbytes, "block_size": BLOCK_SIZE, "rows": rows}
 
 
-def _config(tier: str, batch: Batch, compression: str, folder: str, url: str | None) -> KVLayerConfig:
+def _encodings(tier: str, compressions: list[str], quantizations: list[str]) -> list[tuple[str, str]]:
+    """The (compression, quantization) pairs measured on ``tier``."""
+    return [("none", "none")] if tier == "cpu" else [(c, q) for c in compressions for q in quantizations]
+
+
+def _config(tier: str, batch: Batch, compression: str, quantization: str, folder: str,
+            url: str | None) -> KVLayerConfig:
     """The configuration enabling only ``tier``, sized for ``batch`` (deadlines out of the way)."""
     from kvlayer.config import KVLayerConfig
 
     settings: dict[str, Any] = {"chunk_size": batch.tokens, "compression": compression, "tier_timeout_ms": 600_000,
-                                "cpu_capacity": 0, "staging_capacity": (batch.count + 1) * batch.chunk_bytes}
+                                "storage_quantization": quantization, "cpu_capacity": 0,
+                                "staging_capacity": (batch.count + 1) * batch.chunk_bytes}
+    name = compression if quantization == "none" else f"{compression}-{quantization}"
     if tier == "cpu":
         settings["cpu_capacity"] = (batch.count + 1) * batch.chunk_bytes
     elif tier == "nvme":
-        settings.update(nvme_path=str(Path(folder) / f"tier-{compression}"), nvme_capacity=4 * batch.nbytes)
+        settings.update(nvme_path=str(Path(folder) / f"tier-{name}"), nvme_capacity=4 * batch.nbytes)
     else:
-        settings.update(redis_url=url, redis_key_prefix=f"kvlayer-bench-{compression}")
+        settings.update(redis_url=url, redis_key_prefix=f"kvlayer-bench-{name}")
     return KVLayerConfig(**settings)
 
 
@@ -275,26 +305,28 @@ def _ratios(tier: str, figures: dict[str, Any], ceilings: dict[str, Any]) -> dic
 def _memory_notes(results: list[dict[str, Any]]) -> list[str]:
     """Why Redis may hold more than the goal: its allocator rounds a value up to a size class."""
     return [f"redis holds {r['memory_per_kv_byte']:.3f} bytes per KV byte at {res['chunk_tokens']} tokens "
-            f"({r['compression']}): its allocator rounds each of a chunk's two values up to a size class, "
-            f"and a body (the payload less 128 bytes) just above a class size pays the next one"
+            f"({r['compression']}, {r['quantization']}): its allocator rounds each of a chunk's two values up to "
+            f"a size class, and a body (the payload less 128 bytes) just above a class size pays the next one"
             for res in results for r in res["tiers"]
             if r["tier"] == "redis" and r["memory_per_kv_byte"] >= GOAL_REDIS_MEMORY]
 
 
 def _print(args: argparse.Namespace, results: list[dict[str, Any]], notes: list[str]) -> None:
-    cols = ["tokens", "MiB", "tier", "comp", "reads", "get GiB/s", "ceiling", "get ratio", "put GiB/s", "ceiling",
-            "put ratio", "mem/KV"]
+    cols = ["tokens", "MiB", "tier", "comp", "quant", "reads", "get GiB/s", "ceiling", "get ratio", "put GiB/s",
+            "ceiling", "put ratio", "B/tok", "mem/KV"]
     rows = []
     for res in results:
         mib = res["chunk_bytes"] / 2**20
         for r in res["tiers"]:
             reads = "warm" if r["tier"] == "nvme" else "-"
-            rows.append([res["chunk_tokens"], mib, r["tier"], r["compression"], reads, r["get_gib_s"],
-                         r["get_ceiling_gib_s"], r["get_ratio"], r["put_gib_s"], r["put_ceiling_gib_s"],
-                         r["put_ratio"], r.get("memory_per_kv_byte")])
+            rows.append([res["chunk_tokens"], mib, r["tier"], r["compression"], r["quantization"], reads,
+                         r["get_gib_s"], r["get_ceiling_gib_s"], r["get_ratio"], r["put_gib_s"],
+                         r["put_ceiling_gib_s"], r["put_ratio"], r["stored_bytes_per_token"],
+                         r.get("memory_per_kv_byte")])
             if r["tier"] == "nvme" and r.get("get_cold_gib_s") is not None:
-                rows.append([res["chunk_tokens"], mib, "nvme", r["compression"], "cold", r["get_cold_gib_s"],
-                             r["get_cold_ceiling_gib_s"], r["get_cold_ratio"], None, None, None, None])
+                rows.append([res["chunk_tokens"], mib, "nvme", r["compression"], r["quantization"], "cold",
+                             r["get_cold_gib_s"], r["get_cold_ceiling_gib_s"], r["get_cold_ratio"], None, None, None,
+                             None, None])
     print_table(f"bench tiers: '{args.preset}' preset, float32, {args.chunks} chunks per batch, best of "
                 f"{args.repeat} (goals: get ratio >= {GOAL_GET_RATIO}, Redis memory/KV < {GOAL_REDIS_MEMORY})",
                 cols, rows)

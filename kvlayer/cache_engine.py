@@ -44,9 +44,9 @@ class KVCacheEngine:
     it). ``layout`` describes the paged caches passed to ``store``/``retrieve``: one tensor
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer in ``layout.dtype``.
     ``model_name``/``model_fingerprint`` and the TP rank enter every key's namespace, so
-    chunks of another model, dtype, layout or tenant never match. ``backends`` overrides the
-    tiers built from the config (tests, custom tiers). ``ValueError`` for a device this
-    machine lacks, ``ConfigError`` for a bad setting.
+    chunks of another model, dtype, layout, tenant or ``storage_quantization`` never match.
+    ``backends`` overrides the tiers built from the config (tests, custom tiers). ``ValueError``
+    for a device this machine lacks, ``ConfigError`` for a bad setting.
 
     What an engine adapter builds its own ``LoadJob``/``SaveJob`` over: ``tiers`` (the
     ``TierManager``), ``chunk_staging`` (the ``Staging``; ``staging`` is its arena) and
@@ -61,7 +61,8 @@ class KVCacheEngine:
         self.layout = layout
         self.device = parse_device(device)
         self.namespace = Namespace(model_name, model_fingerprint, layout, self.config.chunk_size,
-                                   tp_rank, tp_size, self.config.cache_salt)
+                                   tp_rank, tp_size, self.config.cache_salt,
+                                   quantization=self.config.storage_quantization)
         self.instance_id = self.config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
         self.metrics = Metrics(self.instance_id)
         self.chunk_staging = Staging.create(layout, self.config.chunk_size, self.config.staging_capacity, self.metrics)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvlayer.quantize import QUANTIZATIONS
 from kvlayer.sizes import parse_size
 
 ENV_PREFIX = "KVLAYER_"
@@ -45,6 +46,8 @@ class KVLayerConfig:
     redis_ttl_s: int = 0
     redis_key_prefix: str = "kvlayer"
     compression: str = "none"
+    storage_quantization: str = "none"
+    """One of ``QUANTIZATIONS``: lossy int8/fp8 payloads in NVMe and Redis (``kvlayer.quantize``)."""
     save_decode_cache: bool = False
     save_partial_chunks: bool = False
     layerwise: str = "on"
@@ -72,6 +75,9 @@ class KVLayerConfig:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.compression not in COMPRESSIONS:
             raise ConfigError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.storage_quantization not in QUANTIZATIONS:
+            raise ConfigError(f"storage_quantization must be one of {QUANTIZATIONS}, "
+                              f"got {self.storage_quantization!r}")
         if self.instance_role not in INSTANCE_ROLES:
             raise ConfigError(f"instance_role must be one of {INSTANCE_ROLES}, got {self.instance_role!r}")
         if self.tier_timeout_ms <= 0:

@@ -7,6 +7,7 @@ across processes, restarts and machines: nothing here depends on Python's ``hash
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, dtype_name
+from kvlayer.quantize import QUANTIZATIONS
 
 FORMAT_VERSION = 1
 """Bumped whenever the chunk layout or the on-disk/in-Redis format changes."""
@@ -28,7 +30,9 @@ class Namespace:
     """Everything that must match for two requests to share a chunk.
 
     ``model_fingerprint`` identifies weights and config (the engine computes it); ``salt`` is
-    the tenant's ``cache_salt`` ("" for none).
+    the tenant's ``cache_salt`` ("" for none); ``quantization`` the instance's
+    ``storage_quantization``: an instance that keeps lossy chunks in its lower tiers has keys of
+    its own, so exact and quantized chunks are never served for one another.
     """
 
     model_name: str
@@ -39,19 +43,21 @@ class Namespace:
     tp_size: int = 1
     salt: str = ""
     format_version: int = FORMAT_VERSION
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     def with_salt(self, salt: str | None) -> Namespace:
         """The same namespace for another tenant (``None`` keeps this one's salt)."""
         if salt is None or salt == self.salt:
             return self
-        return Namespace(self.model_name, self.model_fingerprint, self.layout, self.chunk_size,
-                         self.tp_rank, self.tp_size, salt, self.format_version)
+        return dataclasses.replace(self, salt=salt)
 
     def describe(self) -> bytes:
         """A canonical, unambiguous byte string of every field (fields are length-prefixed)."""
@@ -63,6 +69,8 @@ class Namespace:
         )
         if lay.cache_layout != DEFAULT_CACHE_LAYOUT:  # the default's keys stay those of format 1
             fields += (lay.cache_layout,)
+        if self.quantization != "none":  # likewise; tagged, so it never reads as a cache layout
+            fields += (f"storage:{self.quantization}",)
         out = bytearray()
         for f in fields:
             b = f.encode()
