@@ -14,7 +14,7 @@ from kvlayer.controller import controller_pb2 as pb
 from kvlayer.controller.errors import exhausted, invalid
 from kvlayer.controller.registry import InstanceSpec, TierSpec
 from kvlayer.keys import KEY_BYTES, Namespace
-from kvlayer.layout import KVLayout, dtype_name, parse_dtype
+from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, dtype_name, parse_dtype
 
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 """Instance ids and tier names: printable, no spaces, at most 128 characters."""
@@ -79,10 +79,15 @@ def namespace_from_wire(msg: pb.ModelNamespace) -> tuple[Namespace, bool]:
         dtype = parse_dtype(msg.dtype)
     except ValueError as e:
         raise invalid(f"namespace.dtype: {e}") from None
+    check_text(msg.cache_layout, "namespace.cache_layout")
     # block_size does not enter keys; 1 stands in for the engine's.
-    layout = KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, dtype, 1)
-    ns = Namespace(msg.model_name, msg.model_fingerprint, layout, msg.chunk_size, msg.tp_rank, msg.tp_size,
-                   msg.salt, msg.format_version)
+    try:
+        layout = KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, dtype, 1,
+                          cache_layout=msg.cache_layout or DEFAULT_CACHE_LAYOUT)
+        ns = Namespace(msg.model_name, msg.model_fingerprint, layout, msg.chunk_size, msg.tp_rank, msg.tp_size,
+                       msg.salt, msg.format_version, quantization=msg.storage_quantization or "none")
+    except ValueError as e:  # an unknown cache layout or quantization
+        raise invalid(f"namespace: {e}") from None
     return ns, msg.save_partial_chunks
 
 
@@ -93,7 +98,9 @@ def namespace_to_wire(ns: Namespace, save_partial_chunks: bool) -> pb.ModelNames
         model_name=ns.model_name, model_fingerprint=ns.model_fingerprint, dtype=dtype_name(lay.dtype),
         num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
         chunk_size=ns.chunk_size, tp_rank=ns.tp_rank, tp_size=ns.tp_size, format_version=ns.format_version,
-        salt=ns.salt, save_partial_chunks=save_partial_chunks)
+        salt=ns.salt, save_partial_chunks=save_partial_chunks,
+        cache_layout="" if lay.cache_layout == DEFAULT_CACHE_LAYOUT else lay.cache_layout,
+        storage_quantization="" if ns.quantization == "none" else ns.quantization)
 
 
 def spec_from_wire(msg: pb.Register) -> InstanceSpec:

@@ -117,3 +117,36 @@ def test_bounds():
     c = reg.get("c")
     with pytest.raises(RegistryFull):
         reg.admit(c, "cpu", digests(c.spec))
+
+
+@pytest.mark.parametrize(("cache_layout", "quantization"), [
+    ("kv-block-token-head-dim", "none"), ("blocks:vllm-cpu-avx512-x86_64", "none"),
+    ("kv-block-token-head-dim", "int8"), ("blocks:vllm-cpu-avx512-x86_64", "fp8")])
+def test_the_wire_namespace_gives_the_controller_the_instances_own_keys(cache_layout, quantization):
+    from kvlayer.controller import controller_pb2 as pb
+    from kvlayer.controller.wire import namespace_from_wire, namespace_to_wire
+
+    layout = replace(LAYOUT, cache_layout=cache_layout)
+    ns = Namespace("m", "fp", layout, 4, quantization=quantization)
+    back, partial = namespace_from_wire(pb.ModelNamespace.FromString(namespace_to_wire(ns, True).SerializeToString()))
+    assert partial is True
+    assert back.root() == ns.root(), "the controller must compute the same keys as the instance"
+    exact = Namespace("m", "fp", LAYOUT, 4)
+    assert (back.root() == exact.root()) == (cache_layout == LAYOUT.cache_layout and quantization == "none")
+
+
+def test_a_bad_wire_namespace_is_refused():
+    import grpc
+
+    from kvlayer.controller import controller_pb2 as pb
+    from kvlayer.controller.errors import RequestError
+    from kvlayer.controller.wire import namespace_from_wire, namespace_to_wire
+
+    good = namespace_to_wire(Namespace("m", "fp", LAYOUT, 4), False)
+    for field, value in (("cache_layout", "rows-of-something"), ("storage_quantization", "int4")):
+        bad = pb.ModelNamespace()
+        bad.CopyFrom(good)
+        setattr(bad, field, value)
+        with pytest.raises(RequestError, match="namespace") as info:
+            namespace_from_wire(bad)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
