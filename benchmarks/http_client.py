@@ -25,6 +25,7 @@ import httpx
 
 COMPLETIONS = "/v1/completions"
 MODELS = "/v1/models"
+INSTANCE_HEADER = "x-kvlayer-instance"
 ERROR_CHARS = 300
 
 
@@ -36,7 +37,9 @@ class Completion:
     server sent (empty if it sends none). ``prompt_tokens``/``completion_tokens``/
     ``cached_tokens``: the final usage chunk's counts (``cached_tokens`` from
     ``usage.prompt_tokens_details.cached_tokens``), None where the server sent none.
-    ``error`` None means it succeeded (2xx and the stream reached ``[DONE]``)."""
+    ``instance``: the ``x-kvlayer-instance`` response header (which instance a ``kvlayer
+    router`` chose), None without one. ``error`` None means it succeeded (2xx and the stream
+    reached ``[DONE]``)."""
 
     status: int | None
     error: str | None
@@ -46,6 +49,7 @@ class Completion:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    instance: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -104,13 +108,14 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
     for the server's or the network's failures (see the module docstring)."""
     t0 = time.perf_counter()
     status: int | None = None
+    instance: str | None = None
     state = _Stream()
     try:
         async with client.stream("POST", COMPLETIONS, json=body) as resp:
-            status = resp.status_code
+            status, instance = resp.status_code, resp.headers.get(INSTANCE_HEADER)
             if not resp.is_success:
                 text = (await resp.aread()).decode(errors="replace")
-                return Completion(status, error_message(text), end_s=time.perf_counter() - t0)
+                return Completion(status, error_message(text), end_s=time.perf_counter() - t0, instance=instance)
             async for line in resp.aiter_lines():
                 if state.feed(line, lambda: time.perf_counter() - t0):
                     break
@@ -119,7 +124,7 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
     if state.error is None and not state.done:
         state.error = "the stream ended before data: [DONE]"
     return Completion(status, state.error, tuple(state.times), tuple(state.ids), time.perf_counter() - t0,
-                      *state.usage)
+                      *state.usage, instance=instance)
 
 
 class _Stream:

@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "long-doc-qa", "long_doc_qa", "documents queried again, hits from the lower tiers", home)
     _add_bench(bench, "miss-overhead", "miss_overhead", "kvlayer's TTFT overhead when nothing ever hits", home)
     _add_bench(bench, "vllm", "vllm_bench", "TTFT inside vLLM: its own caches vs kvlayer's tiers", home)
+    _add_bench(bench, "fleet", "fleet_bench", "a fleet through the router: KV-aware routing vs round-robin/random, P/D",
+               home)
     __import__("kvlayer.serving.cli", fromlist=["add_command"]).add_command(sub)  # serve
     __import__("kvlayer.router.cli", fromlist=["add_command"]).add_command(sub)  # router
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
@@ -213,6 +215,9 @@ SMOKE: dict[str, list[str]] = {
                     "--answer-tokens", "2", "--chunk-size", "64"],
     "engine": ["--lengths", "64", "--decode-seqs", "2", "--decode-prompt", "32", "--decode-tokens", "4"],
     "miss-overhead": ["--length", "64", "--rounds", "2", "--chunk-size", "32"],
+    "fleet": ["--users", "3", "--rounds", "3", "--system-tokens", "32", "--history-tokens", "96",
+              "--question-tokens", "8", "--answer-tokens", "4", "--chunk-size", "16", "--rate", "4",
+              "--policies", "kv", "--no-pd"],
 }
 """Flags appended to ``kvlayer bench <name>`` when ``KVLAYER_SMOKE=1`` (with a ``tiny`` model unless
 ``--model`` is given): the documented commands, run by the docs test at a size CI affords."""
