@@ -36,6 +36,21 @@ if TYPE_CHECKING:
     import torch
 
 GIB = 2**30
+
+# The engine rows' settings and ceilings (benchmarks/tier_engine.py), kept here, apart from torch,
+# so that building the command line imports no torch.
+GOAL_RATIO = 0.8
+BLOCK_SIZE = 16
+REDIS_PREFIX = "kvlayer-bench-engine"
+CEILINGS = {
+    "index_copy": "torch index_copy_ per layer of the same slots from a contiguous buffer, the faster of float "
+                  "and 16-byte (complex128) elements",
+    "index_select": "torch index_select per layer of the same slots into a contiguous buffer",
+    "file_read": "readinto of the tier's own files into one buffer; cold = after fsync + posix_fadvise(DONTNEED)",
+    "file_write": "write of new files of the tier's file sizes, no fsync",
+    "redis_get": "redis-py sync client, one pipeline of GETs of the tier's own keys",
+    "redis_set": "redis-py sync client, one pipeline of SETs of values of the tier's value sizes",
+}
 Run = Callable[[], object]
 K = TypeVar("K", bound=Hashable)
 

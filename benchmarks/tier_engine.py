@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
-from kvlayer.benchmarks.tier_ceilings import (
+from kvlayer.benchmarks.tier_ceilings import (  # noqa: E402
     GIB,
+    GOAL_RATIO,
+    REDIS_PREFIX,
     Run,
     alternated_times,
     drop_page_cache,
@@ -55,18 +57,6 @@ from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.transfer import slot_mapping
 
-GOAL_RATIO = 0.8
-BLOCK_SIZE = 16
-REDIS_PREFIX = "kvlayer-bench-engine"
-CEILINGS = {
-    "index_copy": "torch index_copy_ per layer of the same slots from a contiguous buffer, the faster of float "
-                  "and 16-byte (complex128) elements",
-    "index_select": "torch index_select per layer of the same slots into a contiguous buffer",
-    "file_read": "readinto of the tier's own files into one buffer; cold = after fsync + posix_fadvise(DONTNEED)",
-    "file_write": "write of new files of the tier's file sizes, no fsync",
-    "redis_get": "redis-py sync client, one pipeline of GETs of the tier's own keys",
-    "redis_set": "redis-py sync client, one pipeline of SETs of values of the tier's value sizes",
-}
 Timed = tuple[Run, Run | None]
 """A run and what runs untimed before it."""
 

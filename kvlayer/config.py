@@ -14,11 +14,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvlayer.quantize import QUANTIZATIONS
 from kvlayer.sizes import parse_size
 
 ENV_PREFIX = "KVLAYER_"
 COMPRESSIONS = ("none", "lz4")
+QUANTIZATIONS = ("none", "int8", "fp8")
+"""The values of ``storage_quantization`` (``kvlayer.quantize`` implements the lossy ones)."""
 INSTANCE_ROLES = ("both", "prefill", "decode")
 """What an instance does in prefill/decode disaggregation (``instance_role``): ``prefill`` computes
 prompts only (decode instances read its KV through the shared tier), ``decode`` generates."""

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvlayer.config import QUANTIZATIONS
 from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, dtype_name
-from kvlayer.quantize import QUANTIZATIONS
 
 FORMAT_VERSION = 1
 """Bumped whenever the chunk layout or the on-disk/in-Redis format changes."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlayer.config import QUANTIZATIONS as CONFIG_QUANTIZATIONS
+
 _SCALE_BYTES = 4
 
 
@@ -127,4 +129,5 @@ class Fp8E4M3(Quantizer):
 QUANTIZERS: dict[str, Quantizer] = {"int8": Int8("int8", 1, 127.0), "fp8": Fp8E4M3("fp8", 2, 448.0)}
 """Encoding name -> its quantizer (the chunk header stores ``code``; 0 is an exact payload)."""
 QUANTIZATIONS: tuple[str, ...] = ("none", *QUANTIZERS)
+assert QUANTIZATIONS == CONFIG_QUANTIZATIONS, "kvlayer.config lists the quantizations this module implements"
 """The values of ``storage_quantization``: ``none`` (exact, the default) or a ``QUANTIZERS`` name."""

@@ -65,3 +65,17 @@ def test_importing_kvlayer_is_light():
             "print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_command_line_is_built_without_torch():
+    code = ("import sys; from kvlayer.cli import build_parser; build_parser();"
+            "print([m for m in ('torch', 'grpc', 'fastapi', 'httpx', 'redis') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_bench_tiers_preset_names_are_the_engines():
+    from kvlayer.benchmarks.tiers import PRESET_NAMES
+    from kvlayer.engine.presets import PRESETS
+
+    assert sorted(PRESET_NAMES) == sorted(PRESETS)

@@ -43,6 +43,7 @@ def _fleet_children() -> list[str]:
     return found
 
 
+@pytest.mark.slow  # a fleet per policy; the docs test runs the documented command (KVLAYER_SMOKE) in CI
 def test_kv_routing_caches_more_than_round_robin_and_every_request_is_served(tiny_model_dir, tmp_path, capsys,
                                                                               monkeypatch):
     monkeypatch.delenv("KVLAYER_SMOKE", raising=False)

@@ -225,6 +225,7 @@ def test_a_bad_extra_config_stops_the_start_up_with_kvlayers_message(llama, work
     assert "error" in run and message in run["error"]
 
 
+@pytest.mark.slow  # 30-60 s of engine start-up; the lookup channel is the same in every other test here
 def test_scheduler_and_worker_in_separate_processes(baseline, llama, work) -> None:
     """vLLM's default mode: the lookups cross the channel, the metadata is carried by vLLM."""
     cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}

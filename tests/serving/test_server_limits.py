@@ -86,7 +86,9 @@ def test_past_max_waiting_requests_get_503_and_the_rest_are_served(locked):
 
     answers = asyncio.run(burst())
     codes = sorted(r.status_code for r in answers)
-    assert codes.count(503) >= 1 and codes.count(200) >= 3 and set(codes) == {200, 503}, codes
+    # queued = submitted and not yet running: at least the 2 the queue holds get in (a third may, once the
+    # first runs), the rest are refused at once
+    assert codes.count(503) >= 1 and codes.count(200) >= 2 and set(codes) == {200, 503}, codes
     refused = next(r for r in answers if r.status_code == 503)
     assert_error(refused, 503, "already waiting (--max-waiting 2)")
     assert all(r.json()["usage"]["completion_tokens"] == 200 for r in answers if r.status_code == 200)
