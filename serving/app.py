@@ -76,7 +76,7 @@ def build_app(state: ServerState, api_keys: Sequence[str] = (), max_body_bytes: 
 
     @app.get("/metrics")
     async def _metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(state.engine.engine), media_type=CONTENT_TYPE)
 
     install_error_handlers(app, "kvlayer serve")
     return BodyLimit(app, max_body_bytes)

@@ -131,7 +131,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> in
     engine = llm.engine
     kv = getattr(engine.connector, "kv", None)
     metrics = ServingMetrics(getattr(kv, "metrics", None))
-    loop = AsyncEngine(engine, args.max_waiting, after_step=metrics.after_step)
+    loop = AsyncEngine(engine, args.max_waiting)
     name = args.served_model_name or args.model
     state = ServerState(loop, name, engine.tokenizer, ChatTemplate.from_dir(args.model), metrics,
                         engine.model_config.vocab_size, engine.max_model_len)

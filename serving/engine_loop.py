@@ -24,7 +24,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,19 +56,14 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-StepObserver = Callable[[LLMEngine], None]
-"""Called on the engine thread after each round of commands and step (e.g. to set gauges)."""
-
-
 class AsyncEngine:
     """Owns ``engine`` and the thread that steps it. Call ``start()`` once, ``shutdown()`` once."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256, after_step: StepObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
         if max_waiting <= 0:
             raise ValueError(f"max_waiting must be positive, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self._after_step = after_step
         self._cv = threading.Condition()
         self._commands: list[tuple[Any, ...]] = []
         self._pending_adds = 0
@@ -159,8 +154,6 @@ class AsyncEngine:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
                     self._step()
-                if self._after_step is not None:
-                    self._after_step(self.engine)
         finally:
             self._fail_all(ShuttingDown("the server is shutting down"))
             try:

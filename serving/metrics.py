@@ -2,7 +2,7 @@
 
 Serving series (all prefixed ``kvlayer_serve_``): ``time_to_first_token_seconds`` and
 ``inter_token_latency_seconds`` histograms (as clients see them, from the request's arrival),
-``requests_running`` and ``requests_waiting`` gauges (set after every engine step),
+``requests_running`` and ``requests_waiting`` gauges (read when ``/metrics`` is scraped),
 ``kv_blocks_in_use`` and ``kv_blocks`` (the engine's cache), ``connector_requests`` and
 ``borrowed_chunks`` (what kvlayer still holds for requests: 0 when none runs),
 ``prompt_tokens_total``, ``cached_prompt_tokens_total`` (served by the engine's prefix cache
@@ -51,8 +51,9 @@ class ServingMetrics:
         if kv_metrics is not None:
             kv_metrics.register(r)
 
-    def after_step(self, engine: Any) -> None:
-        """The gauges after an engine step or an abort (called on the engine thread)."""
+    def render(self, engine: Any) -> bytes:
+        """The series, the gauges read from ``engine`` now (at scrape time, never on the engine's
+        step: every value read is a plain length or a thread-safe ``stats()``)."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
         self.blocks_total.set(engine.num_blocks)
@@ -62,6 +63,4 @@ class ServingMetrics:
         stats = connector.stats() if callable(getattr(connector, "stats", None)) else {}
         tiers = stats.get("tiers", {})
         self.borrowed_chunks.set(sum(int(t.get("backend", {}).get("borrowed", 0)) for t in tiers.values()))
-
-    def render(self) -> bytes:
         return generate_latest(self.registry)
