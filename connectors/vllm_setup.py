@@ -6,7 +6,9 @@ optional ``config_file`` there, and ``KVLAYER_*`` variables), validated as every
 ``[2, blocks, block_size, heads, head_size]`` is kvlayer's own token layout; the CPU backend's
 ``[blocks, heads, block_size, 2 * head_size]`` packs each block its own way (keys transposed,
 ISA-dependent), so kvlayer copies those blocks whole, as opaque bytes, under a namespace that
-names the backend, its ISA and the block size. Nothing here imports vLLM except where named.
+names the backend, its ISA and the block size. vLLM's MLA backends keep ``[blocks, block_size,
+head_size]``: one latent vector per token (vLLM reports one KV head and the latent width as the
+head size), kvlayer's ``LATENT_CACHE_LAYOUT``. Nothing here imports vLLM except where named.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from kvlayer.config import ConfigError, KVLayerConfig
-from kvlayer.layout import BLOCKS, DEFAULT_CACHE_LAYOUT, KVLayout
+from kvlayer.layout import BLOCKS, DEFAULT_CACHE_LAYOUT, LATENT_CACHE_LAYOUT, KVLayout
 from kvlayer.model_files import model_fingerprint
 
 CONFIG_FILE_KEY = "config_file"
@@ -59,6 +61,8 @@ def cache_layout(cache: torch.Tensor, num_kv_heads: int, head_size: int, block_s
     shape = tuple(cache.shape)
     if len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_size):
         return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size, DEFAULT_CACHE_LAYOUT)
+    if len(shape) == 3 and shape[1:] == (block_size, head_size) and num_kv_heads == 1:
+        return KVLayout(num_layers, 1, head_size, dtype, block_size, LATENT_CACHE_LAYOUT)
     if len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_size) and cache.device.type == "cpu":
         tag = f"vllm-cpu-{_cpu_isa(dtype, block_size, head_size)}-{platform.machine()}"
         return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size, BLOCKS + tag)

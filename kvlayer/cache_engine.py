@@ -42,7 +42,8 @@ class KVCacheEngine:
 
     ``config`` is a ``KVLayerConfig``, a dict or a YAML path (``KVLAYER_*`` variables override
     it). ``layout`` describes the paged caches passed to ``store``/``retrieve``: one tensor
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer in ``layout.dtype``.
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer in ``layout.dtype`` (or as
+    ``layout.cache_layout`` says: MLA's ``[num_blocks, block_size, latent_dim]``, opaque blocks).
     ``model_name``/``model_fingerprint`` and the TP rank enter every key's namespace, so
     chunks of another model, dtype, layout, tenant or ``storage_quantization`` never match.
     ``backends`` overrides the tiers built from the config (tests, custom tiers). ``ValueError``

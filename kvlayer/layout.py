@@ -1,12 +1,14 @@
 """The shape of a model's KV cache, as kvlayer sees it.
 
 A paged cache (the engine's) holds one tensor per layer; kvlayer reads and writes it through a
-view ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = keys, 1 = values), where
-a slot is ``block * block_size + offset``. ``KVLayout.cache_layout`` names how the engine's own
+view ``[planes, num_blocks, block_size, num_kv_heads, head_dim]``, where a slot is ``block *
+block_size + offset``. ``planes`` is 2 for attention that keeps keys and values (index 0 = keys,
+1 = values), 1 for MLA's one latent vector per token (``LATENT_CACHE_LAYOUT``: no K/V split, one
+"head" as wide as the latent, docs/architecture.md section 12). ``KVLayout.cache_layout`` names how the engine's own
 tensor is laid out and ``paged_view`` makes that view of it, without copying (docs/architecture.md
 section 10). An engine whose blocks pack K and V in its own way (vLLM's CPU attention) is copied
 block by block, as opaque bytes: the view then has one row per block, and a slot is a block id.
-kvlayer stores chunks ``[num_layers, 2, chunk_tokens, num_kv_heads, head_dim]`` whatever the
+kvlayer stores chunks ``[num_layers, planes, chunk_tokens, num_kv_heads, head_dim]`` whatever the
 engine's layout (docs/architecture.md section 4): per-layer slices are contiguous.
 """
 
@@ -45,6 +47,11 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 DEFAULT_CACHE_LAYOUT = "kv-block-token-head-dim"
 """The bundled engine's cache layout, ``[2, num_blocks, block_size, kv_heads, head_dim]`` per
 layer, also FlashAttention's in vLLM on CUDA: copied token row by token row."""
+LATENT_CACHE_LAYOUT = "latent-block-token-dim"
+"""MLA's cache (DeepSeek V2/V3; vLLM's MLA backends), ``[num_blocks, block_size, latent_dim]`` per
+layer: one latent vector per token (the compressed KV and the rotary key part together), no
+K/V split and no heads. A ``KVLayout`` of it has ``num_kv_heads == 1`` and ``head_dim`` the
+latent width; copied token row by token row, as the default layout."""
 BLOCKS = "blocks:"
 """The prefix of an opaque-block cache layout (see ``KVLayout.cache_layout``)."""
 
@@ -60,10 +67,10 @@ class KVLayout:
     block_size: int
     cache_layout: str = DEFAULT_CACHE_LAYOUT
     """How the engine's per-layer cache tensor is laid out: ``DEFAULT_CACHE_LAYOUT``, or
-    ``"blocks:<tag>"`` for an engine whose blocks kvlayer copies whole, as opaque bytes (``tag``
-    names the engine's packing, e.g. vLLM's CPU attention and its ISA). Part of the key
-    namespace where it is not the default, so chunks are shared only between engines whose
-    caches are laid out alike."""
+    ``LATENT_CACHE_LAYOUT`` for MLA's latent vectors, or ``"blocks:<tag>"`` for an engine whose
+    blocks kvlayer copies whole, as opaque bytes (``tag`` names the engine's packing, e.g. vLLM's
+    CPU attention and its ISA). Part of the key namespace where it is not the default, so chunks
+    are shared only between engines whose caches are laid out alike."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -71,15 +78,28 @@ class KVLayout:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLayout.{field} must be a positive int, got {value!r}")
         dtype_name(self.dtype)
-        if self.cache_layout != DEFAULT_CACHE_LAYOUT and not (
+        if self.cache_layout not in (DEFAULT_CACHE_LAYOUT, LATENT_CACHE_LAYOUT) and not (
                 self.cache_layout.startswith(BLOCKS) and len(self.cache_layout) > len(BLOCKS)):
-            raise ValueError(f"unknown cache layout {self.cache_layout!r}; known: "
-                             f"{DEFAULT_CACHE_LAYOUT!r} and {BLOCKS!r}<tag>")
+            raise ValueError(f"unknown cache layout {self.cache_layout!r}; known: {DEFAULT_CACHE_LAYOUT!r}, "
+                             f"{LATENT_CACHE_LAYOUT!r} and {BLOCKS!r}<tag>")
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"a latent (MLA) layout has one vector per token: num_kv_heads must be 1, "
+                             f"got {self.num_kv_heads}")
+
+    @property
+    def latent(self) -> bool:
+        """Whether a layer keeps one latent vector per token (MLA) instead of keys and values."""
+        return self.cache_layout == LATENT_CACHE_LAYOUT
+
+    @property
+    def planes(self) -> int:
+        """Planes per layer and token: 2 (keys, values), or 1 for a latent layout."""
+        return 1 if self.latent else 2
 
     @property
     def opaque_blocks(self) -> bool:
         """Whether copies move whole engine blocks as bytes (``"blocks:..."``), not token rows."""
-        return self.cache_layout != DEFAULT_CACHE_LAYOUT
+        return self.cache_layout.startswith(BLOCKS)
 
     @property
     def copy_unit(self) -> int:
@@ -90,27 +110,28 @@ class KVLayout:
 
     def paged_view(self, cache: torch.Tensor) -> torch.Tensor:
         """One layer of the engine's cache as the 5-d view ``kvlayer.transfer`` copies through,
-        over the same memory: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` for the
-        default layout, ``[1, num_blocks, 1, 1, block_elements]`` (a block as one row) for
-        opaque blocks. ``ValueError`` if its dtype or size does not fit, or it is not one
-        contiguous tensor where opaque blocks need that."""
-        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        over the same memory: ``[planes, num_blocks, block_size, num_kv_heads, head_dim]`` for the
+        default and latent layouts (a latent cache ``[num_blocks, block_size, latent_dim]`` is
+        ``[1, num_blocks, block_size, 1, latent_dim]``), ``[1, num_blocks, 1, 1, block_elements]``
+        (a block as one row) for opaque blocks. ``ValueError`` if its dtype or size does not
+        fit, or it is not one contiguous tensor where opaque blocks need that."""
+        per_block = self.planes * self.block_size * self.num_kv_heads * self.head_dim
         if cache.dtype != self.dtype or cache.numel() % per_block or cache.dim() == 0:
             raise ValueError(f"a {tuple(cache.shape)} {cache.dtype} cache does not fit {self}")
         blocks = cache.numel() // per_block
         if not self.opaque_blocks:
-            return cache.view(2, blocks, self.block_size, self.num_kv_heads, self.head_dim)
+            return cache.view(self.planes, blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if not cache.is_contiguous():
             raise ValueError(f"opaque blocks need a contiguous cache, got strides {cache.stride()}")
         return cache.view(1, blocks, 1, 1, per_block)
 
     def chunk_view(self, chunk: torch.Tensor) -> torch.Tensor:
-        """A chunk ``[num_layers, 2, tokens, kv_heads, head_dim]`` (contiguous) seen as the rows
+        """A chunk ``[num_layers, planes, tokens, kv_heads, head_dim]`` (contiguous) seen as the rows
         ``paged_view`` copies: itself, or ``[num_layers, 1, tokens // block_size, 1, block_elements]``
         for opaque blocks (whose bytes are then the engine's blocks, in order)."""
         if not self.opaque_blocks:
             return chunk
-        per_block = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        per_block = self.planes * self.block_size * self.num_kv_heads * self.head_dim
         return chunk.view(chunk.shape[0], 1, chunk.shape[2] // self.block_size, 1, per_block)
 
     @property
@@ -119,12 +140,12 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token across all layers (keys and values)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_size
+        """KV bytes of one token across all layers (keys and values, or the latent vector)."""
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * self.element_size
 
     def chunk_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
         """Shape of a chunk of ``tokens`` tokens."""
-        return (self.num_layers, 2, tokens, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.planes, tokens, self.num_kv_heads, self.head_dim)
 
     def chunk_bytes(self, tokens: int) -> int:
         return tokens * self.bytes_per_token

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class MemoryObj:
-    """One chunk's memory: a view ``[num_layers, 2, tokens, kv_heads, head_dim]`` into an arena slot."""
+    """One chunk's memory: a view ``[num_layers, planes, tokens, kv_heads, head_dim]`` into an arena slot."""
 
     __slots__ = ("arena", "slot", "shape", "dtype", "tensor", "_refs", "_pins")
 

@@ -1,6 +1,6 @@
 """Lossy payload encodings of the lower tiers (``storage_quantization``): int8 and fp8 (e4m3).
 
-A chunk ``[layers, 2, tokens, kv_heads, head_dim]`` is stored as one byte per element plus one
+A chunk ``[layers, planes, tokens, kv_heads, head_dim]`` is stored as one byte per element plus one
 float32 scale per layer, K/V and head: ``scale = absmax / qmax`` over that head's tokens and
 ``head_dim`` (``qmax`` 127 for int8, 448 for e4m3, the largest finite ``float8_e4m3fn``), and an
 element ``x`` as ``code = q(x / scale)``, read back as ``code * scale`` in the chunk's dtype.
@@ -52,7 +52,7 @@ class Quantizer(abc.ABC):
         """The error bound of each of ``x`` under ``scale`` (which broadcasts to ``x``)."""
 
     def encoded_len(self, shape: tuple[int, ...]) -> int:
-        """Bytes of the encoding of a chunk of ``shape`` ``[layers, 2, tokens, kv_heads, head_dim]``."""
+        """Bytes of the encoding of a chunk of ``shape`` ``[layers, planes, tokens, kv_heads, head_dim]``."""
         layers, kv, tokens, heads, dim = shape
         return layers * kv * heads * (_SCALE_BYTES + tokens * dim)
 

@@ -45,7 +45,7 @@ class ChunkFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
-    """A parsed header; ``shape`` is the chunk's ``[layers, 2, tokens, kv_heads, head_dim]``."""
+    """A parsed header; ``shape`` is the chunk's ``[layers, planes, tokens, kv_heads, head_dim]``."""
 
     compression: int
     key: bytes

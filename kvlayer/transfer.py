@@ -1,7 +1,8 @@
 """Copies between the engine's paged KV cache and kvlayer chunks: gathers and scatters.
 
-A paged cache is one tensor per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``, the
-engine's own or a view of it (``KVLayout.paged_view``: for opaque blocks, one row per block);
+A paged cache is one tensor per layer ``[planes, num_blocks, block_size, kv_heads, head_dim]`` (planes
+2: keys and values; 1: MLA's latent), the engine's own or a view of it (``KVLayout.paged_view``:
+for opaque blocks, one row per block);
 ``slots`` (int64, on the caches' device) names the cache slot (or block) of each chunk row. Each call
 runs the Triton kernels of ``kvlayer.kernels.copy_ops`` when ``use_triton`` says so (default:
 the caches are on CUDA and triton is installed), else the torch code below, which runs on any
@@ -85,7 +86,7 @@ def _direct(chunk: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def gather_layer(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
                  use_triton: bool | None = None) -> None:
-    """``out[:, i] = cache slot slots[i]`` for one layer; ``out`` is ``[2, n, kv_heads, head_dim]``."""
+    """``out[:, i] = cache slot slots[i]`` for one layer; ``out`` is ``[planes, n, kv_heads, head_dim]``."""
     if _use_triton(use_triton, cache):
         from kvlayer.kernels import copy_ops
 
@@ -100,7 +101,7 @@ def gather_layer(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
 
 def scatter_layer(chunk_layer: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
                   use_triton: bool | None = None) -> None:
-    """Write ``chunk_layer`` ``[2, n, kv_heads, head_dim]`` into one layer's cache at ``slots``."""
+    """Write ``chunk_layer`` ``[planes, n, kv_heads, head_dim]`` into one layer's cache at ``slots``."""
     src = chunk_layer if chunk_layer.device == cache.device else chunk_layer.to(cache.device, non_blocking=True)
     if _use_triton(use_triton, cache):
         from kvlayer.kernels import copy_ops
@@ -118,7 +119,7 @@ def scatter_layer(chunk_layer: torch.Tensor, cache: torch.Tensor, slots: torch.T
 
 def gather(caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor,
            use_triton: bool | None = None) -> None:
-    """All layers: ``out`` ``[num_layers, 2, n, kv_heads, head_dim]`` from ``caches`` at ``slots``."""
+    """All layers: ``out`` ``[num_layers, planes, n, kv_heads, head_dim]`` from ``caches`` at ``slots``."""
     if caches and _use_triton(use_triton, caches[0]):
         from kvlayer.kernels import copy_ops
 
@@ -129,7 +130,7 @@ def gather(caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
 
 def scatter(chunk: torch.Tensor, caches: Sequence[torch.Tensor], slots: torch.Tensor,
             use_triton: bool | None = None) -> None:
-    """All layers: write ``chunk`` ``[num_layers, 2, n, kv_heads, head_dim]`` into ``caches`` at ``slots``."""
+    """All layers: write ``chunk`` ``[num_layers, planes, n, kv_heads, head_dim]`` into ``caches`` at ``slots``."""
     if caches and _use_triton(use_triton, caches[0]):
         from kvlayer.kernels import copy_ops
 
@@ -142,7 +143,7 @@ def scatter(chunk: torch.Tensor, caches: Sequence[torch.Tensor], slots: torch.Te
 class CopyPlan:
     """Gathers or scatters of several chunks through one layer's cache at a time.
 
-    ``pieces``: ``(chunk, slots)`` pairs, ``chunk`` ``[num_layers, 2, n, kv_heads, head_dim]`` (a
+    ``pieces``: ``(chunk, slots)`` pairs, ``chunk`` ``[num_layers, planes, n, kv_heads, head_dim]`` (a
     chunk or a token slice of one, host or device memory) and ``slots`` the cache slot of each
     of its ``n`` tokens (int64, on the caches' device). The plan holds views of the chunks, no
     copies: their owner keeps them alive while the plan is used, and ``wait_for_copies`` applies

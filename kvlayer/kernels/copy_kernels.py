@@ -1,9 +1,10 @@
 """The Triton kernel that moves token rows between a paged KV cache and a chunk buffer.
 
-A *row* is one token's keys (or values) of one layer: ``kv_heads * head_dim`` contiguous
-elements, both in a cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` (row of slot
-``s`` at ``kv * kv_stride + s * row_len``) and in a chunk ``[num_layers, 2, tokens, kv_heads,
-head_dim]`` (row of token ``t`` at ``layer * layer_stride + kv * kv_stride + t * token_stride``).
+A *row* is one token's keys (or values, or MLA latent) of one layer: ``kv_heads * head_dim``
+contiguous elements, both in a cache ``[PLANES, num_blocks, block_size, kv_heads, head_dim]``
+(row of slot ``s`` at ``kv * kv_stride + s * row_len``; ``PLANES`` 2 for keys and values, 1 for a
+latent layout) and in a chunk ``[num_layers, PLANES, tokens, kv_heads, head_dim]`` (row of token
+``t`` at ``layer * layer_stride + kv * kv_stride + t * token_stride``).
 One kernel serves gather (``TO_CACHE=False``) and scatter (``TO_CACHE=True``), for one layer
 (``cache_ptr`` is that layer's cache) or all layers (``cache_ptr`` is an int64 table of the
 layers' base addresses, ``LAYER_TABLE=True``). Launched by ``copy_ops``; see there for the grid.
@@ -30,12 +31,13 @@ def copy_rows_kernel(
     TO_CACHE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PLANES: tl.constexpr = 2,
 ):
-    """Program ``(i, 2 * layer + kv)`` copies tokens ``[i * BLOCK_T, (i + 1) * BLOCK_T)`` of one
+    """Program ``(i, PLANES * layer + kv)`` copies tokens ``[i * BLOCK_T, (i + 1) * BLOCK_T)`` of one
     layer's keys or values, ``BLOCK_R`` row elements at a time."""
     tile = tl.program_id(0)
-    layer = tl.program_id(1) // 2
-    kv = tl.program_id(1) % 2
+    layer = tl.program_id(1) // PLANES
+    kv = tl.program_id(1) % PLANES
     if LAYER_TABLE:
         address = tl.load(cache_ptr + layer)
         # the wrapper checks every layer's base is 16-byte aligned; the hint lets the compiler

@@ -2,9 +2,10 @@
 
 Every tensor here lives on one device (CUDA, or the CPU under ``TRITON_INTERPRET=1``);
 ``kvlayer.transfer`` chooses this path and handles host chunk buffers. Caches are contiguous
-``[2, num_blocks, block_size, kv_heads, head_dim]``, one per layer, all of one shape and dtype
-(float32, float16 or bfloat16). Chunk tensors are ``[num_layers, 2, n, kv_heads, head_dim]``
-(one layer: ``[2, n, kv_heads, head_dim]``) of the caches' dtype with any strides over the
+``[planes, num_blocks, block_size, kv_heads, head_dim]`` (planes 2: keys and values; 1: MLA's
+latent, ``kvlayer.layout.LATENT_CACHE_LAYOUT``), one per layer, all of one shape and dtype
+(float32, float16 or bfloat16). Chunk tensors are ``[num_layers, planes, n, kv_heads, head_dim]``
+(one layer: ``[planes, n, kv_heads, head_dim]``) of the caches' dtype with any strides over the
 leading dims, but each token's ``kv_heads * head_dim`` row contiguous (``rows_contiguous``).
 ``slots`` is ``[n]`` int64 or int32, contiguous: the cache slot (``block * block_size +
 offset``) of each chunk token, in any order; a gather may read a slot many times, a scatter
@@ -13,7 +14,7 @@ with a repeated slot leaves one of its rows there (which one is unspecified).
 All layers go in one launch: the engine allocates one tensor per layer, so the kernel reads
 the layers' base addresses from a small int64 device table (made once per set of caches and
 remembered, see ``_layer_table``) rather than requiring one stacked allocation.
-Grid: ``(ceil(n / BLOCK_T), 2 * layers)``; a program copies ``BLOCK_T`` rows of one layer's
+Grid: ``(ceil(n / BLOCK_T), planes * layers)``; a program copies ``BLOCK_T`` rows of one layer's
 keys or values in ``BLOCK_R``-element column tiles, about ``_TILE_ELEMENTS`` elements per tile.
 """
 
@@ -38,25 +39,25 @@ def rows_contiguous(chunk: torch.Tensor) -> bool:
 
 
 def gather_layer(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[:, i] = cache slot slots[i]`` for one layer; ``out`` is ``[2, n, kv_heads, head_dim]``."""
+    """``out[:, i] = cache slot slots[i]`` for one layer; ``out`` is ``[planes, n, kv_heads, head_dim]``."""
     _check_caches([cache], slots, out[None])
     _launch(cache, cache, out[None], slots, layer_table=False, to_cache=False)
 
 
 def scatter_layer(chunk_layer: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write ``chunk_layer`` ``[2, n, kv_heads, head_dim]`` into one layer's ``cache`` at ``slots``."""
+    """Write ``chunk_layer`` ``[planes, n, kv_heads, head_dim]`` into one layer's ``cache`` at ``slots``."""
     _check_caches([cache], slots, chunk_layer[None])
     _launch(cache, cache, chunk_layer[None], slots, layer_table=False, to_cache=True)
 
 
 def gather(caches: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
-    """All layers in one launch: ``out`` ``[num_layers, 2, n, kv_heads, head_dim]`` from ``caches``."""
+    """All layers in one launch: ``out`` ``[num_layers, planes, n, kv_heads, head_dim]`` from ``caches``."""
     _check_caches(caches, slots, out)
     _launch(_layer_table(caches), caches[0], out, slots, layer_table=True, to_cache=False)
 
 
 def scatter(chunk: torch.Tensor, caches: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
-    """All layers in one launch: write ``chunk`` ``[num_layers, 2, n, kv_heads, head_dim]`` into ``caches``."""
+    """All layers in one launch: write ``chunk`` ``[num_layers, planes, n, kv_heads, head_dim]`` into ``caches``."""
     _check_caches(caches, slots, chunk)
     _launch(_layer_table(caches), caches[0], chunk, slots, layer_table=True, to_cache=True)
 
@@ -78,11 +79,12 @@ def _launch(cache_arg: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor, s
         return
     row_len = cache.shape[3] * cache.shape[4]
     block_t, block_r = tiles(row_len, n)
-    grid = (triton.cdiv(n, block_t), 2 * chunk.shape[0])
+    planes = cache.shape[0]
+    grid = (triton.cdiv(n, block_t), planes * chunk.shape[0])
     copy_rows_kernel[grid](
         cache_arg, chunk, slots, n, row_len, cache.stride(0),
         chunk.stride(0), chunk.stride(1), chunk.stride(2),
-        LAYER_TABLE=layer_table, TO_CACHE=to_cache, BLOCK_T=block_t, BLOCK_R=block_r,
+        LAYER_TABLE=layer_table, TO_CACHE=to_cache, BLOCK_T=block_t, BLOCK_R=block_r, PLANES=planes,
     )
 
 
@@ -103,8 +105,9 @@ def _check_caches(caches: Sequence[torch.Tensor], slots: torch.Tensor, chunk: to
     if not caches:
         raise ValueError("no caches given")
     first = caches[0]
-    if first.dim() != 5 or first.shape[0] != 2:
-        raise ValueError(f"a cache is [2, num_blocks, block_size, kv_heads, head_dim], got {tuple(first.shape)}")
+    if first.dim() != 5 or first.shape[0] not in (1, 2):
+        raise ValueError(f"a cache is [planes (1 or 2), num_blocks, block_size, kv_heads, head_dim], "
+                         f"got {tuple(first.shape)}")
     for cache in caches:
         if cache.shape != first.shape or cache.dtype != first.dtype or cache.device != first.device:
             raise ValueError("all caches must share one shape, dtype and device")
@@ -112,7 +115,7 @@ def _check_caches(caches: Sequence[torch.Tensor], slots: torch.Tensor, chunk: to
             raise ValueError("caches must be contiguous and 16-byte aligned")
     if first.dtype not in _DTYPES:
         raise ValueError(f"unsupported cache dtype {first.dtype}; supported: {_DTYPES}")
-    expected = (len(caches), 2, slots.shape[0], first.shape[3], first.shape[4])
+    expected = (len(caches), first.shape[0], slots.shape[0], first.shape[3], first.shape[4])
     if chunk.dim() != 5 or tuple(chunk.shape) != expected:
         raise ValueError(f"chunk shape {tuple(chunk.shape)} does not match {expected}")
     if chunk.dtype != first.dtype or chunk.device != first.device:

@@ -41,5 +41,8 @@ def test_cache_layouts_from_the_tensors_vllm_registers(monkeypatch) -> None:
     monkeypatch.setattr(vllm_setup, "_cpu_isa", lambda *a: "vec")  # vLLM itself is not imported here
     cpu = vllm_setup.cache_layout(torch.zeros(10, 4, 32, 128), 4, 64, 32, torch.float32, 3)
     assert cpu.opaque_blocks and cpu.cache_layout.startswith("blocks:vllm-cpu-vec-") and cpu.copy_unit == 32
+    mla = vllm_setup.cache_layout(torch.zeros(10, 16, 576), 1, 576, 16, torch.bfloat16, 3)  # DeepSeek's
+    assert (mla.cache_layout, mla.planes, mla.num_kv_heads, mla.head_dim) == ("latent-block-token-dim", 1, 1, 576)
+    assert mla.paged_view(torch.zeros(10, 16, 576, dtype=torch.bfloat16)).shape == (1, 10, 16, 1, 576)
     with pytest.raises(ValueError, match=r"does not know vLLM's KV cache layout \(10, 4, 64\)"):
         vllm_setup.cache_layout(torch.zeros(10, 4, 64), 4, 64, 32, torch.float32, 3)
