@@ -176,7 +176,8 @@ class MemoryTier(StorageBackend):
         evicted: list[bytes] = []
         try:
             for i, key in enumerate(keys):
-                out[i] = self._allocate(self._layout.chunk_shape(key.num_tokens), self._layout.dtype, protect, evicted)
+                shape = self._layout.chunk_shape(key.num_tokens, len(key.layers))
+                out[i] = self._allocate(shape, self._layout.dtype, protect, evicted)
                 if out[i] is None:
                     self._counts["skipped_full"] += 1
                     break

@@ -244,7 +244,7 @@ class NvmeBackend(StorageBackend):
 
     async def _read_file(self, key: ChunkKey, entry: IndexEntry) -> MemoryObj | None:
         """The chunk of ``entry``'s file in a new staging object, or None (counted; a bad file deleted)."""
-        obj = self._staging.allocate(self._layout.chunk_shape(key.num_tokens), self._layout.dtype)
+        obj = self._staging.allocate(self._layout.chunk_shape(key.num_tokens, len(key.layers)), self._layout.dtype)
         if obj is None:
             self._fault("staging_full", entry.path, "the staging arena is full")
             return None

@@ -152,7 +152,7 @@ class RedisBackend(StorageBackend):
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         if not keys:
             return []
-        wants = [Expected(k, self._layout.chunk_shape(k.num_tokens), self._layout.dtype, self._staging,
+        wants = [Expected(k, self._layout.chunk_shape(k.num_tokens, len(k.layers)), self._layout.dtype, self._staging,
                           self.settings.quantization) for k in keys]
         async with self._deadline():
             if self.settings.cluster or not buffered_replies:

@@ -92,6 +92,8 @@ class KVConnectorContext:
     device: torch.device
     tp_rank: int = 0
     tp_size: int = 1
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full attention), or ``()`` when no layer slides."""
 
 
 class ConnectorMetadata:
@@ -113,6 +115,15 @@ class KVConnectorBase(abc.ABC):
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         """Blocks are allocated for the request; remember to load ``num_external_tokens`` into them."""
+
+    def get_kv_complete_from(self, request: ConnectorRequest) -> int:
+        """After ``update_state_after_alloc`` with external tokens: the first position from which
+        what the connector loads holds every layer's KV. A window-aware load of a model with
+        sliding windows writes a window layer's KV only where a later query can read it, so
+        tokens before this position hold the full-attention layers' KV only (or none): the
+        engine must not offer their blocks to other requests through its prefix cache.
+        Default 0: every layer of every loaded token."""
+        return 0
 
     @abc.abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:

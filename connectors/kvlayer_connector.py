@@ -18,6 +18,12 @@ leading blocks once no window reaches them: their block ids become negative
 (``engine.block_manager.FREED_BLOCK``). A chunk that is due while one of its blocks is released
 is not saved (``num_skipped_saves``); loads go only into blocks allocated at admission, which
 are all held.
+
+With sliding windows the tiers are window-aware (``kvlayer.windows``): a hit loads a window
+layer's KV only where a query after the prefix can read it, a hybrid's chunks are one object
+per window group, and the engine learns where the loaded KV holds every layer
+(``get_kv_complete_from``). Chunks a window-aware load covered are never saved again: their
+window layers' KV was not loaded.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 
 from kvlayer.cache_engine import KVCacheEngine
+from kvlayer.config import KVLayerConfig
 from kvlayer.connectors.base import (
     ConnectorMetadata,
     ConnectorRequest,
@@ -42,6 +49,7 @@ from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, finish_saves, loads_layerwise
 from kvlayer.transfer import slot_mapping
+from kvlayer.windows import Found, save_keys
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     start: int
     end: int
+    whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +90,7 @@ class _ReqState:
     keys: list[ChunkKey]
     saved_upto: int = 0
     matched: tuple[int, int] = (0, 0)
-    sources: tuple[int, ...] = ()
+    found: Found = Found(0)
     load: tuple[int, int] | None = None
 
 
@@ -104,9 +113,11 @@ class KVLayerConnector(KVConnectorBase):
 
     def __init__(self, kv_config: Any, ctx: KVConnectorContext,
                  kv: KVCacheEngine | None = None) -> None:
-        layout = KVLayout(ctx.num_layers, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.block_size)
+        config = KVLayerConfig.load(kv_config) if kv is None else kv.config
+        layout = KVLayout(ctx.num_layers, ctx.num_kv_heads, ctx.head_dim, ctx.dtype, ctx.block_size,
+                          layer_windows=ctx.layer_windows if config.window_aware else ())
         self.kv = kv or KVCacheEngine(
-            kv_config, layout, ctx.device, model_name=ctx.model_name,
+            config, layout, ctx.device, model_name=ctx.model_name,
             model_fingerprint=ctx.model_fingerprint, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
         self.config = self.kv.config
         self.block_size = ctx.block_size
@@ -147,10 +158,9 @@ class KVLayerConnector(KVConnectorBase):
     def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
         st = self._state(request.request_id, request.token_ids, len(request.prompt_token_ids),
                          request.cache_salt)
-        found = self.kv.find(st.keys)
-        usable = min(found.num_tokens, len(request.token_ids) - 1)
-        st.matched, st.sources = (num_computed_tokens, usable), found.sources
-        return max(0, usable - num_computed_tokens)
+        found = self.kv.find_prefix(st.keys, num_computed_tokens, len(request.token_ids) - 1)
+        st.matched, st.found = (num_computed_tokens, found.num_tokens), found
+        return max(0, found.num_tokens - num_computed_tokens)
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -158,6 +168,12 @@ class KVLayerConnector(KVConnectorBase):
         if st is not None and num_external_tokens > 0:
             start = st.matched[0]
             st.load = (start, start + num_external_tokens)
+            if self.kv.layout.windowed:  # the chunks it covers lack window KV where no query reads it
+                st.saved_upto = max([st.saved_upto] + [k.end for k in st.keys if k.end <= st.load[1]])
+
+    def get_kv_complete_from(self, request: ConnectorRequest) -> int:
+        st = self._reqs.get(request.request_id)
+        return 0 if st is None or st.load is None else max(st.load[0], st.found.all_layers_from)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLayerMetadata:
         for rid in scheduler_output.finished_request_ids:
@@ -172,14 +188,15 @@ class KVLayerConnector(KVConnectorBase):
             if st.load is not None:
                 start, end = st.load
                 st.load = None
-                loads.append(LoadSpec(s.request_id, tuple(st.keys), st.sources, tuple(s.block_ids), start, end))
+                loads.append(LoadSpec(s.request_id, st.found.keys, st.found.sources, tuple(s.block_ids), start, end,
+                                      self.kv.layout.windowed))
             done = s.num_computed_tokens + s.num_scheduled_tokens
             due = [k for k in st.keys if st.saved_upto < k.end <= done]
             if due:
                 held = [k for k in due if self._holds(s.block_ids, k)]
                 self._count_skipped(len(due) - len(held))
                 if held:
-                    saves.append(SaveSpec(s.request_id, tuple(held), tuple(s.block_ids)))
+                    saves.append(SaveSpec(s.request_id, tuple(save_keys(self.kv.layout, held)), tuple(s.block_ids)))
                 st.saved_upto = due[-1].end
         return KVLayerMetadata(tuple(loads), tuple(saves))
 
@@ -205,8 +222,8 @@ class KVLayerConnector(KVConnectorBase):
             self._save = SaveJob(kv.tiers, kv.chunk_staging, [
                 SaveItem(s.request_id, s.keys, self._slots(s.block_ids, s.keys[-1].end)) for s in metadata.saves
             ], self._streams.store)
-            items = [LoadItem(ld.request_id, ld.keys, ld.sources, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
-                     for ld in metadata.loads]
+            items = [LoadItem(ld.request_id, ld.keys, ld.sources, self._slots(ld.block_ids, ld.end), ld.start, ld.end,
+                              ld.whole) for ld in metadata.loads]
             if items:
                 layerwise = loads_layerwise(self.config.layerwise, self.device, kv.tiers, items)
                 self._load = LoadJob(kv.tiers, kv.chunk_staging, kv.groups, self._caches, items,

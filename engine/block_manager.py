@@ -121,7 +121,8 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """Register ``seq``'s blocks that are full and computed in the prefix cache."""
+        """Register ``seq``'s blocks that are full and computed in the prefix cache (not those
+        before ``seq.partial_kv_before``, which hold some layers' KV only)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -129,7 +130,8 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
             chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = block_hash(prev, chunk)
-            if seq.block_table[i] != FREED_BLOCK:  # released unhashed (after a failed load): chain on
+            # released unhashed (after a failed load), or some layers' KV only: chain on
+            if seq.block_table[i] != FREED_BLOCK and i * bs >= seq.partial_kv_before:
                 block = self.blocks[seq.block_table[i]]
                 block.hash, block.token_ids = h, chunk
                 self.cached.setdefault(h, block.block_id)

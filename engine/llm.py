@@ -84,7 +84,8 @@ class LLMEngine:
             ctx = KVConnectorContext(
                 model_name=cfg.model_name, model_fingerprint=model_fingerprint(config.model),
                 num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                dtype=config.dtype, block_size=config.block_size, device=config.device)
+                dtype=config.dtype, block_size=config.block_size, device=config.device,
+                layer_windows=cfg.layer_windows if any(w is not None for w in cfg.layer_windows) else ())
             kv_connector = load_connector("kvlayer", kv_config, ctx)
         self.connector = kv_connector
         if kv_connector is not None:
@@ -199,6 +200,7 @@ class LLMEngine:
                 valid = min(failed[seq.request_id], seq.num_computed_tokens)
                 self.block_manager.uncommit_from(seq, valid)
                 seq.num_computed_tokens = valid
+                seq.partial_kv_before = min(seq.partial_kv_before, valid)  # recomputed from there
                 seq.num_external_tokens = max(0, min(seq.num_external_tokens, valid - seq.num_cached_tokens))
                 continue
             seq.num_computed_tokens += item.num_new

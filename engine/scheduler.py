@@ -125,6 +125,8 @@ class Scheduler:
         assert ok, "can_allocate promised room"
         if self.connector is not None:
             self.connector.update_state_after_alloc(seq, tuple(seq.block_table), num_external)
+        has_load = self.connector is not None and num_external > 0
+        seq.partial_kv_before = self.connector.get_kv_complete_from(seq) if has_load else 0
         seq.num_computed_tokens = start
         seq.num_cached_tokens = num_local
         seq.num_external_tokens = num_external

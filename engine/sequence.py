@@ -60,6 +60,9 @@ class Sequence:
         self.last_block_hash: bytes | None = None
         self.num_cached_tokens = 0
         self.num_external_tokens = 0
+        self.partial_kv_before = 0
+        """Blocks starting before this position hold only some layers' KV (a window-aware load,
+        ``KVConnectorBase.get_kv_complete_from``): never registered in the prefix cache."""
         self.num_preemptions = 0
         self.times = RequestTimes(time.perf_counter() if arrival_time is None else arrival_time)
         self.generator: torch.Generator | None = None

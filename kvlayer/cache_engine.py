@@ -33,6 +33,7 @@ from kvlayer.staging import Staging
 from kvlayer.storage import BackendContext, StorageBackend
 from kvlayer.tier_manager import LookupResult, TierManager
 from kvlayer.transfer import wait_for_copies
+from kvlayer.windows import Found, find_prefix, save_keys
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,10 @@ class KVCacheEngine:
         self.backends = list(backends) if backends is not None else build_backends(ctx)
         self.loop = IOLoop()
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)
-        self.groups = layer_groups(layout.num_layers, layout.chunk_bytes(self.config.chunk_size) // layout.num_layers)
+        # a hybrid's window-group objects are read whole (kvlayer.read_plan): one range of every layer
+        split = len(layout.window_groups) > 1
+        self.groups = [(0, layout.num_layers)] if split else layer_groups(
+            layout.num_layers, layout.chunk_bytes(self.config.chunk_size) // layout.num_layers)
         self.tiers.warm_up()
         self._exposed = bool(self.config.metrics_port) and expose(
             self.metrics, self.config.metrics_host, self.config.metrics_port)
@@ -100,6 +104,12 @@ class KVCacheEngine:
         leaves the lookup counters alone."""
         return self.tiers.lookup(keys, record)
 
+    def find_prefix(self, keys: Sequence[ChunkKey], start: int, limit: int, record: bool = True) -> Found:
+        """The prefix of chunk ``keys`` a request holding ``start`` tokens can load, up to ``limit``
+        tokens, and the chunk objects to read for it (``kvlayer.windows.find_prefix``: for a
+        layout with sliding windows, only what its layers can still attend to)."""
+        return find_prefix(self.tiers, self.layout, keys, start, limit, record)
+
     def store(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
               cache_salt: str | None = None, keys: Sequence[ChunkKey] | None = None) -> int:
         """Store the chunks of ``token_ids`` whose KV sits in ``kv_caches`` at ``slot_mapping``.
@@ -118,7 +128,8 @@ class KVCacheEngine:
         need = -(-keys[-1].end // self.layout.copy_unit)
         if len(slot_mapping) < need:
             raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens (needs {need})")
-        job = SaveJob(self.tiers, self.chunk_staging, [SaveItem("store", tuple(keys), slot_mapping)])
+        job = SaveJob(self.tiers, self.chunk_staging, [SaveItem("store", tuple(save_keys(self.layout, keys)),
+                                                                slot_mapping)])
         for layer, cache in enumerate(kv_caches):
             job.layer(layer, cache)
         wait_for_copies(slot_mapping.device)
@@ -131,15 +142,19 @@ class KVCacheEngine:
         """Write the longest available prefix of ``token_ids`` into ``kv_caches`` at ``slot_mapping``.
 
         Tokens before ``start`` are not written (the engine already holds them); slots are
-        given for every token of ``token_ids``. Returns the number of leading tokens now
+        given for every token of ``token_ids``. With sliding windows (``KVLayout.layer_windows``)
+        a window layer's KV is written only where a query after the prefix can read it
+        (``find_prefix``). Returns the number of leading tokens now
         available (including those before ``start``), or ``start`` if nothing after it was.
         """
         keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
         keys = [k for k in keys if k.end <= len(token_ids)]
-        found = self.find(keys, record=False)  # where to read from; the caller's lookup was counted
+        # where to read from; the caller's lookup was counted
+        found = self.find_prefix(keys, start, len(token_ids), record=False)
         if found.num_tokens <= start:
             return start
-        item = LoadItem("retrieve", tuple(keys), found.sources, slot_mapping, start, found.num_tokens)
+        item = LoadItem("retrieve", found.keys, found.sources, slot_mapping, start, found.num_tokens,
+                        whole=self.layout.windowed)
         job = LoadJob(self.tiers, self.chunk_staging, self.groups, kv_caches, [item])
         wait_for_copies(slot_mapping.device)
         return job.failures().get("retrieve", found.num_tokens)

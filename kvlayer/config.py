@@ -51,6 +51,9 @@ class KVLayerConfig:
     """One of ``QUANTIZATIONS``: lossy int8/fp8 payloads in NVMe and Redis (``kvlayer.quantize``)."""
     save_decode_cache: bool = False
     save_partial_chunks: bool = False
+    window_aware: bool = True
+    """On a model with sliding windows, load a window layer's KV only where a query can still read
+    it, and store a hybrid's window groups apart (``kvlayer.windows``); off: full KV, as for any model."""
     layerwise: str = "on"
     """``auto``, ``on`` or ``off`` (booleans mean on/off): see ``LAYERWISE``."""
     staging_capacity: int = 512 * 1024**2

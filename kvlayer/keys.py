@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvlayer.config import QUANTIZATIONS
-from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, dtype_name
+from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, WindowGroup, dtype_name
 
 FORMAT_VERSION = 1
 """Bumped whenever the chunk layout or the on-disk/in-Redis format changes."""
@@ -84,12 +84,18 @@ class Namespace:
 
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
-    """One chunk of a token sequence: tokens ``[start, end)``, its chained key and tokens digest."""
+    """One chunk of a token sequence: tokens ``[start, end)``, its chained key and tokens digest.
+
+    ``layers`` ``()``: the chunk holds every layer's KV. Otherwise it is the KV of those model
+    layers only (a layer group's object of a hybrid model, ``group_key``), shaped
+    ``[len(layers), planes, tokens, kv_heads, head_dim]``, under a digest of its own.
+    """
 
     digest: bytes
     tokens_digest: bytes
     start: int
     end: int
+    layers: tuple[int, ...] = ()
 
     @property
     def hex(self) -> str:
@@ -136,3 +142,15 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int], include_partial: 
         prev = digest
         start = end
     return keys
+
+
+def group_key(key: ChunkKey, group: WindowGroup, num_layers: int) -> ChunkKey:
+    """The key of ``group``'s share of chunk ``key`` (a chunk of all ``num_layers`` layers): ``key``
+    itself when the group holds every layer, else a key whose digest is
+    ``blake2b("kvlayer.layers" || key.digest || the layer indices as u16)``. The chain goes on
+    through ``key``, so group keys are leaves: any instance computes them from the tokens."""
+    if len(group.layers) == num_layers:
+        return key
+    tag = b"kvlayer.layers\0" + key.digest + struct.pack(f"<{len(group.layers)}H", *group.layers)
+    return ChunkKey(hashlib.blake2b(tag, digest_size=KEY_BYTES).digest(), key.tokens_digest, key.start, key.end,
+                    group.layers)

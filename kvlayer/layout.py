@@ -4,10 +4,11 @@ A paged cache (the engine's) holds one tensor per layer; kvlayer reads and write
 view ``[planes, num_blocks, block_size, num_kv_heads, head_dim]``, where a slot is ``block *
 block_size + offset``. ``planes`` is 2 for attention that keeps keys and values (index 0 = keys,
 1 = values), 1 for MLA's one latent vector per token (``LATENT_CACHE_LAYOUT``: no K/V split, one
-"head" as wide as the latent, docs/architecture.md section 12). ``KVLayout.cache_layout`` names how the engine's own
-tensor is laid out and ``paged_view`` makes that view of it, without copying (docs/architecture.md
-section 10). An engine whose blocks pack K and V in its own way (vLLM's CPU attention) is copied
-block by block, as opaque bytes: the view then has one row per block, and a slot is a block id.
+"head" as wide as the latent, docs/architecture.md section 12). ``KVLayout.cache_layout`` names
+how the engine's own tensor is laid out and ``paged_view`` makes that view of it, without
+copying (docs/architecture.md section 10). An engine whose blocks pack K and V in its own way
+(vLLM's CPU attention) is copied block by block, as opaque bytes: the view then has one row per
+block, and a slot is a block id.
 kvlayer stores chunks ``[num_layers, planes, chunk_tokens, num_kv_heads, head_dim]`` whatever the
 engine's layout (docs/architecture.md section 4): per-layer slices are contiguous.
 """
@@ -57,6 +58,21 @@ BLOCKS = "blocks:"
 
 
 @dataclass(frozen=True, slots=True)
+class WindowGroup:
+    """Layers that keep the same span of KV (docs/architecture.md section 12): ``window`` None for
+    full attention (every token), else W, a query at position ``p`` reading keys ``j`` with
+    ``p - W < j <= p``. ``layers`` are the model's layer indices, ascending."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        """``"full"`` or ``"window:<W>"`` (the keys of ``kv_stats()["loaded_tokens"]``)."""
+        return "full" if self.window is None else f"window:{self.window}"
+
+
+@dataclass(frozen=True, slots=True)
 class KVLayout:
     """What kvlayer needs to know of a model's KV cache: layers, heads, dtype, paging."""
 
@@ -71,6 +87,11 @@ class KVLayout:
     blocks kvlayer copies whole, as opaque bytes (``tag`` names the engine's packing, e.g. vLLM's
     CPU attention and its ISA). Part of the key namespace where it is not the default, so chunks
     are shared only between engines whose caches are laid out alike."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full attention), or ``()`` when no layer slides. A
+    windowed layout is *window-aware* in the tiers: a hit loads a window layer's KV only for the
+    tokens it can still attend to, and a layout whose layers keep different spans (a hybrid)
+    stores each ``window_groups`` member as a chunk object of its own (``kvlayer.windows``)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -82,6 +103,12 @@ class KVLayout:
                 self.cache_layout.startswith(BLOCKS) and len(self.cache_layout) > len(BLOCKS)):
             raise ValueError(f"unknown cache layout {self.cache_layout!r}; known: {DEFAULT_CACHE_LAYOUT!r}, "
                              f"{LATENT_CACHE_LAYOUT!r} and {BLOCKS!r}<tag>")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.layer_windows):
+            raise ValueError(f"layer windows must be positive ints or None, got {self.layer_windows}")
+        if self.layer_windows and self.opaque_blocks:
+            raise ValueError("sliding windows need a token-row cache layout, not opaque blocks")
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"a latent (MLA) layout has one vector per token: num_kv_heads must be 1, "
                              f"got {self.num_kv_heads}")
@@ -95,6 +122,19 @@ class KVLayout:
     def planes(self) -> int:
         """Planes per layer and token: 2 (keys, values), or 1 for a latent layout."""
         return 1 if self.latent else 2
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer has a sliding window."""
+        return any(w is not None for w in self.layer_windows)
+
+    @property
+    def window_groups(self) -> tuple[WindowGroup, ...]:
+        """The layers grouped by their window: full attention first, then windows ascending;
+        one group of every layer when all keep the same span."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        spans = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        return tuple(WindowGroup(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in spans)
 
     @property
     def opaque_blocks(self) -> bool:
@@ -143,9 +183,10 @@ class KVLayout:
         """KV bytes of one token across all layers (keys and values, or the latent vector)."""
         return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * self.element_size
 
-    def chunk_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
-        """Shape of a chunk of ``tokens`` tokens."""
-        return (self.num_layers, self.planes, tokens, self.num_kv_heads, self.head_dim)
+    def chunk_shape(self, tokens: int, layers: int = 0) -> tuple[int, int, int, int, int]:
+        """Shape of a chunk of ``tokens`` tokens and ``layers`` layers (0: every layer; a layer
+        group's chunk holds its own, ``ChunkKey.layers``)."""
+        return (layers or self.num_layers, self.planes, tokens, self.num_kv_heads, self.head_dim)
 
     def chunk_bytes(self, tokens: int) -> int:
         return tokens * self.bytes_per_token

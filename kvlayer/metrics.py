@@ -78,6 +78,7 @@ class Metrics(Collector):
         self._lock = threading.Lock()
         self._tiers: dict[str, TierMetrics] = {}
         self._gauges: GaugeSource | None = None
+        self._loaded: dict[str, int] = {}
 
     def tier(self, name: str) -> TierMetrics:
         """The metrics of tier ``name``, created on first use."""
@@ -93,6 +94,17 @@ class Metrics(Collector):
     def tiers(self) -> list[str]:
         with self._lock:
             return list(self._tiers)
+
+    def add_loaded(self, group: str, tokens: int) -> None:
+        """Count ``tokens`` whose KV was loaded into the engine's cache for layer group ``group``
+        (``WindowGroup.name``: "full" or "window:<W>")."""
+        with self._lock:
+            self._loaded[group] = self._loaded.get(group, 0) + tokens
+
+    def loaded_tokens(self) -> dict[str, int]:
+        """Tokens loaded so far per layer group (``kv_stats()["loaded_tokens"]``)."""
+        with self._lock:
+            return dict(self._loaded)
 
     def set_gauge_source(self, source: GaugeSource | None) -> None:
         """Gauges read at scrape time and in ``snapshot()`` (the tier manager sets usage and health)."""
@@ -116,10 +128,19 @@ class Metrics(Collector):
     def describe(self) -> Iterator[Metric]:
         """The metric families without samples (lets a registry detect name clashes)."""
         yield from self._families({}, {})
+        yield self._loaded_family({})
 
     def collect(self) -> Iterator[Metric]:
         gauges = self._gauges() if self._gauges else {}
         yield from self._families({name: self.tier(name).snapshot() for name in self.tiers()}, gauges)
+        yield self._loaded_family(self.loaded_tokens())
+
+    def _loaded_family(self, loaded: dict[str, int]) -> Metric:
+        fam = CounterMetricFamily("kvlayer_loaded_tokens", "kvlayer tokens loaded per layer group",
+                                  labels=["group", "instance"])
+        for group, tokens in sorted(loaded.items()):
+            fam.add_metric([group, self.instance], tokens)
+        return fam
 
     def _families(self, snaps: dict[str, dict[str, object]],
                   gauges: dict[str, dict[str, float]]) -> Iterator[Metric]:

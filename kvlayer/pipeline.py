@@ -35,6 +35,7 @@ from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
+from kvlayer.metrics import Metrics
 from kvlayer.read_plan import ChunkReads, LayerGroups, ReadPlan
 from kvlayer.staging import Staging
 from kvlayer.tier_manager import TierManager
@@ -51,7 +52,9 @@ class LoadItem:
     ``sources``: the tier of each of its leading found chunks (``LookupResult.sources``; the
     chunks after them are not read); ``slots``: int64 on the caches' device, the cache slot of
     each token ``0..end-1`` (for opaque blocks, ``KVLayout.copy_unit``, the block id of each
-    block, with ``start`` and ``end`` on block boundaries).
+    block, with ``start`` and ``end`` on block boundaries). ``whole``: the keys are a window-aware
+    selection of chunk objects (``kvlayer.windows.Found``), valid only together, so one that
+    fails leaves the request at ``start``.
     """
 
     request_id: str
@@ -60,6 +63,7 @@ class LoadItem:
     slots: torch.Tensor
     start: int
     end: int
+    whole: bool = False
 
     def plan(self) -> ReadPlan:
         """The found chunks holding tokens of ``[start, end)``, in order, with their tiers."""
@@ -126,9 +130,10 @@ class LoadJob:
             plans = [item.plan() for item in self._items]
             reads = ChunkReads.open(self._tiers, plans, self._staging, self._groups)
             # a load on the caller's thread has the CPU to itself: its scatter may use torch's threads
-            copies = CopyPlan([piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
-                               for piece in _pieces(self._staging.layout, item, plan.keys, chunks)],
-                              threads=1 if self._beside_compute else torch.get_num_threads())
+            pieces = [piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
+                      for piece in _pieces(self._staging.layout, item, plan.keys, chunks)]
+            layers = [key.layers for plan, chunks in zip(plans, reads.objs) for key in plan.keys[: len(chunks)]]
+            copies = CopyPlan(pieces, threads=1 if self._beside_compute else torch.get_num_threads(), layers=layers)
             with _on(self._stream, self._start_event):
                 if self._beside_compute or self._events:  # each layer announced as soon as it is in
                     for layer, cache in enumerate(self._caches):
@@ -141,7 +146,10 @@ class LoadJob:
                     copies.scatter(self._caches, before=reads.wait_layer)
             counts = reads.finish()
             for item, plan, n in zip(self._items, plans, counts, strict=True):
+                if item.whole and n < len(plan.keys):
+                    n = 0
                 self._valid[item.request_id] = min(plan.keys[n - 1].end, item.end) if n else item.start
+                _count_loaded(self._tiers.metrics, self._staging.layout, plan.keys[:n], item.start, item.end)
         except Exception:  # a bug below must cost a recompute, never the engine
             log.exception("kvlayer: loading %d requests failed; they are recomputed", len(self._items))
         finally:
@@ -182,7 +190,8 @@ class SaveJob:
                 continue
             unit = staging.layout.copy_unit
             self._chunks.append((item.request_id, key, obj, item.slots[key.start // unit : -(-key.end // unit)]))
-        self._copies = CopyPlan([(staging.layout.chunk_view(obj.tensor), slots) for _, _, obj, slots in self._chunks])
+        self._copies = CopyPlan([(staging.layout.chunk_view(obj.tensor), slots) for _, _, obj, slots in self._chunks],
+                                layers=[key.layers for _, key, _, _ in self._chunks])
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -258,6 +267,16 @@ def _pieces(layout: KVLayout, item: LoadItem, keys: Sequence[ChunkKey],
             rows = rows[:, :, (lo - key.start) // unit : -(-(hi - key.start) // unit)]
         out.append((rows, item.slots[lo // unit : -(-hi // unit)]))
     return out
+
+
+def _count_loaded(metrics: Metrics, layout: KVLayout, keys: Sequence[ChunkKey], start: int, end: int) -> None:
+    """Credit each layer group with the tokens of ``[start, end)`` that ``keys`` (verified chunk
+    objects) loaded for it (``kv_stats()["loaded_tokens"]``)."""
+    names = {g.layers if len(g.layers) < layout.num_layers else (): g.name for g in layout.window_groups}
+    for key in keys:
+        tokens = min(key.end, end) - max(key.start, start)
+        if tokens > 0:
+            metrics.add_loaded(names.get(key.layers, "other"), tokens)
 
 
 def _record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:

@@ -11,7 +11,9 @@ reads on the I/O loop, top down:
    staging chunk (``Staging.allocate``) for a lower tier to fill; the first chunk missing from
    its tier, or the first staging chunk that cannot be had, ends the plan's candidates;
 3. each lower tier (nvme, redis) runs one ``StorageBackend.read_layers`` for all its
-   candidates, which fills them layer group by layer group (``layer_groups``).
+   candidates, which fills them layer group by layer group (``layer_groups``); the objects of
+   a hybrid model's layer groups (``ChunkKey.layers``, ``kvlayer.windows``) are read whole, in
+   a read of their own.
 
 The caller (a loader thread) calls ``wait_layer(i)`` before it copies layer i out, ``finish()``
 for each plan's verified prefix (counted as hits, the lower tiers' chunks then promoted into
@@ -73,6 +75,8 @@ class _Read:
     """One lower tier's share of the step: ``keys[i]`` lands in ``outs[i]``."""
 
     tier: GuardedTier
+    layers: int = 0
+    """The layers of each of its chunk objects: 0 for every layer, else a layer group's count."""
     keys: list[ChunkKey] = field(default_factory=list)
     outs: list[MemoryObj] = field(default_factory=list)
     groups_done: int = 0
@@ -197,7 +201,7 @@ class ChunkReads:
         fetched = [await gets[0]] if len(gets) == 1 else await asyncio.gather(*gets)  # one: without a task
         found = {(src, digest): obj for (src, keys), got in zip(wanted.items(), fetched)
                  for digest, obj in zip(keys, got)}
-        reads: dict[int, _Read] = {}
+        reads: dict[tuple[int, int], _Read] = {}  # one read per lower tier and chunk object shape
         try:
             for plan, cands in zip(self.plans, self._candidates):
                 for key, src in zip(plan.keys, plan.sources):
@@ -218,7 +222,7 @@ class ChunkReads:
         return self
 
     def _candidate(self, key: ChunkKey, src: int, found: dict[tuple[int, bytes], MemoryObj | None],
-                   reads: dict[int, _Read], staging: Staging) -> _Candidate | None:
+                   reads: dict[tuple[int, int], _Read], staging: Staging) -> _Candidate | None:
         tier = self._guarded[src]
         if tier.in_memory:
             obj = found.get((src, key.digest))
@@ -228,7 +232,7 @@ class ChunkReads:
         out = staging.allocate(key)
         if out is None:
             return None
-        read = reads.setdefault(src, _Read(tier))
+        read = reads.setdefault((src, len(key.layers)), _Read(tier, len(key.layers)))
         read.keys.append(key)
         read.outs.append(out)
         return _Candidate(out, src, read, len(read.keys) - 1)
@@ -238,9 +242,11 @@ class ChunkReads:
             read.groups_done = max(read.groups_done, g + 1)
             self._progress()
 
+        # a layer group's objects hold some layers only: read whole, their layers ready at the end
+        groups = self.groups if not read.layers else [(0, read.layers)]
         try:
             ok = await read.tier.call("read_layers", read.tier.backend.read_layers(
-                read.keys, read.outs, self.groups, on_group))
+                read.keys, read.outs, groups, on_group if not read.layers else lambda g: None))
             if len(ok) != len(read.keys):
                 raise ValueError(f"read_layers answered {len(ok)} flags for {len(read.keys)} keys")
             read.ok = [bool(x) for x in ok]

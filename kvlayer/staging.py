@@ -34,7 +34,7 @@ class Staging:
         """An uninitialised chunk for ``key`` (one reference, the caller's), or None when staging
         memory is full (counted in the ``staging`` tier's ``errors``): the transfer then stops
         at that chunk, a miss for a load, an unsaved chunk for a save."""
-        obj = self.arena.allocate(self.layout.chunk_shape(key.num_tokens), self.layout.dtype)
+        obj = self.arena.allocate(self.layout.chunk_shape(key.num_tokens, len(key.layers)), self.layout.dtype)
         if obj is None:
             self._metrics.count("staging", "errors")
         return obj

@@ -44,7 +44,7 @@ def check_batch(keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], layout: K
     if len(keys) != len(chunks):
         raise ValueError(f"{len(keys)} keys but {len(chunks)} chunks")
     for key, chunk in zip(keys, chunks):
-        want = layout.chunk_shape(key.num_tokens)
+        want = layout.chunk_shape(key.num_tokens, len(key.layers))
         if tuple(chunk.shape) != want or chunk.dtype != layout.dtype:
             raise ValueError(f"chunk {tuple(chunk.shape)} {chunk.dtype} does not fit key "
                              f"{key.hex[:16]}: expected {want} {layout.dtype}")

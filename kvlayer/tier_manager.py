@@ -101,6 +101,11 @@ class TierManager:
         return list(self._tiers)
 
     @property
+    def metrics(self) -> Metrics:
+        """The counters every tier and load reports to."""
+        return self._metrics
+
+    @property
     def loop(self) -> IOLoop:
         return self._loop
 
@@ -172,7 +177,9 @@ class TierManager:
     def stats(self) -> dict[str, Any]:
         """Plain data: ``{"tiers": {name: {<every counter and histogram of kvlayer.metrics>,
         rank, in_memory, used_bytes, capacity_bytes, health: {...}, backend: {...}}},
-        "pending_writes": int}`` (``backend`` is the backend's own ``stats()``)."""
+        "pending_writes": int, "loaded_tokens": {layer group: tokens}}`` (``backend`` is the
+        backend's own ``stats()``; ``loaded_tokens`` counts the tokens whose KV loads wrote into
+        the engine's cache, per ``WindowGroup.name``)."""
         tiers = {}
         for t in self._tiers:
             t.sync_stats()
@@ -182,7 +189,7 @@ class TierManager:
                              "backend": t.backend.stats()}
         with self._idle:
             pending = len(self._pending)
-        return {"tiers": tiers, "pending_writes": pending}
+        return {"tiers": tiers, "pending_writes": pending, "loaded_tokens": self._metrics.loaded_tokens()}
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for background writes (up to ``timeout`` s), then close every backend; idempotent."""

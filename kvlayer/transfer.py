@@ -145,7 +145,9 @@ class CopyPlan:
 
     ``pieces``: ``(chunk, slots)`` pairs, ``chunk`` ``[num_layers, planes, n, kv_heads, head_dim]`` (a
     chunk or a token slice of one, host or device memory) and ``slots`` the cache slot of each
-    of its ``n`` tokens (int64, on the caches' device). The plan holds views of the chunks, no
+    of its ``n`` tokens (int64, on the caches' device). ``layers[i]``, if given and not empty,
+    names the model layers piece i holds, in order (a window group's chunk, ``ChunkKey.layers``):
+    a call for another layer leaves the piece alone. The plan holds views of the chunks, no
     copies: their owner keeps them alive while the plan is used, and ``wait_for_copies`` applies
     as for the functions above. ``use_triton`` as there. ``threads``: how many threads a CPU
     ``scatter`` may spread its pieces over, the caller's included (see ``_ONE_THREAD_BYTES``);
@@ -153,20 +155,23 @@ class CopyPlan:
     """
 
     def __init__(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], use_triton: bool | None = None,
-                 threads: int = 1) -> None:
+                 threads: int = 1, layers: Sequence[Sequence[int]] | None = None) -> None:
         self._threads = threads
         self._chunks = [chunk for chunk, _ in pieces]
-        self._layers = [torch.unbind(chunk) for chunk in self._chunks]
+        named = layers or [()] * len(pieces)
+        self._ids = [tuple(ids) or tuple(range(c.shape[0])) for c, ids in zip(self._chunks, named)]
+        self._layers = [dict(zip(ids, torch.unbind(c))) for c, ids in zip(self._chunks, self._ids)]
         self._slots = [slots for _, slots in pieces]
-        self._wide: list[tuple[torch.Tensor, ...] | None] | None = None
+        self._wide: list[dict[int, torch.Tensor] | None] | None = None
         self._use_triton = use_triton
 
     def scatter_layer(self, layer: int, cache: torch.Tensor) -> None:
-        """Write layer ``layer`` of every piece into ``cache``, that layer's cache (this thread only)."""
+        """Write layer ``layer`` of every piece holding it into ``cache``, that layer's cache (this thread only)."""
         dst = self._wide_cache(cache)
         if dst is None:
             for layers, slots in zip(self._layers, self._slots):
-                scatter_layer(layers[layer], cache, slots, self._use_triton)
+                if layer in layers:
+                    scatter_layer(layers[layer], cache, slots, self._use_triton)
         else:
             self._scatter_wide(layer, cache, dst, range(len(self._slots)))
 
@@ -183,6 +188,8 @@ class CopyPlan:
         wide = self._wide_layers()
         for i in pieces:
             rows = wide[i]
+            if layer not in self._layers[i]:
+                continue
             if rows is None:
                 scatter_layer(self._layers[i][layer], cache, self._slots[i], self._use_triton)
             else:
@@ -205,20 +212,24 @@ class CopyPlan:
             return []
         return _copy_threads(min(self._threads, len(self._chunks)) - 1)
 
-    def _wide_layers(self) -> list[tuple[torch.Tensor, ...] | None]:
+    def _wide_layers(self) -> list[dict[int, torch.Tensor] | None]:
         """Per piece, its layers as 16-byte elements (None off the CPU or where impossible), made once."""
         if self._wide is None:
-            self._wide = [None if not c.is_cpu or (w := _wide(c)) is None else torch.unbind(w) for c in self._chunks]
+            self._wide = [None if not c.is_cpu or (w := _wide(c)) is None else dict(zip(ids, torch.unbind(w)))
+                          for c, ids in zip(self._chunks, self._ids)]
         return self._wide
 
     def gather_layer(self, layer: int, cache: torch.Tensor) -> None:
-        """Fill layer ``layer`` of every piece from ``cache``, that layer's cache."""
+        """Fill layer ``layer`` of every piece holding it from ``cache``, that layer's cache."""
         if not cache.is_cpu or _use_triton(self._use_triton, cache):
             for layers, slots in zip(self._layers, self._slots):
-                gather_layer(cache, slots, layers[layer], self._use_triton)
+                if layer in layers:
+                    gather_layer(cache, slots, layers[layer], self._use_triton)
             return
         flat = _flat(cache)
         for layers, slots in zip(self._layers, self._slots):
+            if layer not in layers:
+                continue
             out = layers[layer]
             if out.is_cpu and out.is_contiguous():
                 torch.index_select(flat, 1, slots, out=out)
@@ -235,8 +246,8 @@ class CopyPlan:
         if caches and _use_triton(self._use_triton, caches[0]):
             for layer in range(len(caches)) if before is not None else ():
                 before(layer)
-            for chunk, slots in zip(self._chunks, self._slots):
-                scatter(chunk, caches, slots, use_triton=True)
+            for chunk, slots, ids in zip(self._chunks, self._slots, self._ids):
+                scatter(chunk, [caches[i] for i in ids], slots, use_triton=True)
             return
         dsts = [self._wide_cache(cache) for cache in caches]
         helpers = self._helpers() if all(d is not None for d in dsts) else []
@@ -259,8 +270,8 @@ class CopyPlan:
     def gather(self, caches: Sequence[torch.Tensor]) -> None:
         """Every layer of every piece from ``caches`` (one per layer; Triton: one launch per piece)."""
         if caches and _use_triton(self._use_triton, caches[0]):
-            for chunk, slots in zip(self._chunks, self._slots):
-                gather(caches, slots, chunk, use_triton=True)
+            for chunk, slots, ids in zip(self._chunks, self._slots, self._ids):
+                gather([caches[i] for i in ids], slots, chunk, use_triton=True)
             return
         for layer, cache in enumerate(caches):
             self.gather_layer(layer, cache)
