@@ -46,8 +46,12 @@ class _Parser(argparse.ArgumentParser):
 def _model_init(args: argparse.Namespace) -> int:
     from kvlayer.engine.presets import init_model
 
-    path = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, architecture=args.arch)
-    print(f"wrote a random-weight '{args.preset}' {args.arch} model to {path}")
+    layer_types = tuple(args.layer_types.split(",")) if args.layer_types else None
+    path = init_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, architecture=args.arch,
+                      sliding_window=args.sliding_window, max_window_layers=args.max_window_layers,
+                      layer_types=layer_types)
+    window = f", window {args.sliding_window}" if args.sliding_window else ""
+    print(f"wrote a random-weight '{args.preset}' {args.arch} model{window} to {path}")
     return 0
 
 
@@ -140,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvlayer.benchmarks.common import device_name, positive_int
+    from kvlayer.benchmarks.common import device_name, nonnegative_int, positive_int
 
     home = os.environ.get("KVLAYER_HOME", ".kvlayer")
     p = _Parser(prog="kvlayer", description="kvlayer: a tiered KV cache layer for LLM inference",
@@ -157,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     init.add_argument("--arch", default="llama", choices=("llama", "qwen2", "mistral"))
+    init.add_argument("--sliding-window", type=positive_int, help="a sliding window of this many tokens "
+                      "(mistral: every layer; qwen2: the layers --max-window-layers or --layer-types name)")
+    init.add_argument("--max-window-layers", type=nonnegative_int, default=0,
+                      help="qwen2: this many first layers stay full attention, the rest slide")
+    init.add_argument("--layer-types", help="qwen2: each layer's kind, comma-separated "
+                                            "(sliding_attention or full_attention)")
     init.set_defaults(func=_model_init)
 
     demo = sub.add_parser("demo", help="a multi-turn chat through the engine, with and without kvlayer")

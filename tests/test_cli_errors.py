@@ -99,6 +99,23 @@ def test_config_and_model_folder_errors_are_one_line(tmp_path, capsys):
     assert one_line_error(capsys) == f"kvlayer: error: model folder {str(folder)!r} is not empty\n"
 
 
+def test_model_init_writes_sliding_windows_and_refuses_them_where_unknown(tmp_path, capsys):
+    import json
+
+    from kvlayer.engine.model_config import load_model_config
+
+    out = tmp_path / "hybrid"
+    assert main(["model", "init", "--arch", "qwen2", "--sliding-window", "32", "--layer-types",
+                 "sliding_attention,full_attention", "--out", str(out)]) == 0
+    assert "window 32" in capsys.readouterr().out
+    assert load_model_config(out).layer_windows == (32, None)
+    assert json.loads((out / "config.json").read_text())["use_sliding_window"] is True
+    assert main(["model", "init", "--arch", "llama", "--sliding-window", "32", "--out", str(tmp_path / "l")]) == 2
+    assert "not supported by architecture 'llama'" in one_line_error(capsys)
+    assert main(["model", "init", "--sliding-window", "0", "--out", str(tmp_path / "z")]) == 2
+    assert "argument --sliding-window" in one_line_error(capsys)
+
+
 def test_a_corrupt_model_folder_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
     import shutil
 
