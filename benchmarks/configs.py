@@ -2,7 +2,11 @@
 
 - ``recompute``: no prefix cache, no kvlayer (every prompt token computed);
 - ``engine``: the engine's own prefix cache only (GPU blocks, lost on eviction);
-- ``cpu``, ``cpu+nvme``, ``nvme``, ``redis`` (and ``gpu``): kvlayer with those tiers.
+- ``cpu``, ``cpu+nvme``, ``nvme``, ``redis`` (and ``gpu``): kvlayer with those tiers;
+- ``<kvlayer configuration>:<quantization>`` (``nvme:int8``, ``redis:fp8``, ``cpu+nvme:int8``):
+  that configuration with ``storage_quantization`` set, lossy payloads in its NVMe or Redis
+  tier. Only configurations with such a tier take one (``cpu:int8`` is refused: the memory
+  tiers keep exact tensors); ``parse_name`` splits and checks a name.
 
 ``ConfigFactory`` owns what the kvlayer configurations need for one run: a fresh, empty NVMe
 folder per built configuration (under ``--cache-dir``, deleted at the end, so no run sees
@@ -22,9 +26,10 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlayer.benchmarks.common import checked_text, positive_int, redact_url, size_or_auto, size_text
+from kvlayer.config import QUANTIZATIONS
 from kvlayer.sizes import parse_size
 
 BASELINES: dict[str, bool] = {"recompute": False, "engine": True}
@@ -49,19 +54,64 @@ class _Places:
     redis_ttl_s: int
 
 
-_TIERS: dict[str, Callable[[TierSizes, _Places], dict[str, Any]]] = {
-    "cpu": lambda s, p: {"cpu_capacity": s.cpu_capacity},
-    "cpu+nvme": lambda s, p: {"cpu_capacity": s.cpu_capacity, "nvme_path": p.nvme_path,
-                              "nvme_capacity": s.nvme_capacity},
-    "nvme": lambda s, p: {"cpu_capacity": 0, "nvme_path": p.nvme_path, "nvme_capacity": s.nvme_capacity},
-    "redis": lambda s, p: {"cpu_capacity": 0, "redis_url": p.redis_url, "redis_key_prefix": p.redis_prefix,
-                           "redis_ttl_s": p.redis_ttl_s},
-    "gpu": lambda s, p: {"gpu_capacity": s.gpu_capacity, "cpu_capacity": 0},
+@dataclass(frozen=True, slots=True)
+class _Tiers:
+    """A kvlayer configuration: its tier settings, and the tier its hits come from once the
+    memory tiers above it are emptied (``bench ttft`` measures that one)."""
+
+    settings: Callable[[TierSizes, _Places], dict[str, Any]]
+    lowest: str
+
+
+_TIERS: dict[str, _Tiers] = {
+    "cpu": _Tiers(lambda s, p: {"cpu_capacity": s.cpu_capacity}, "cpu"),
+    "cpu+nvme": _Tiers(lambda s, p: {"cpu_capacity": s.cpu_capacity, "nvme_path": p.nvme_path,
+                                     "nvme_capacity": s.nvme_capacity}, "nvme"),
+    "nvme": _Tiers(lambda s, p: {"cpu_capacity": 0, "nvme_path": p.nvme_path, "nvme_capacity": s.nvme_capacity},
+                   "nvme"),
+    "redis": _Tiers(lambda s, p: {"cpu_capacity": 0, "redis_url": p.redis_url, "redis_key_prefix": p.redis_prefix,
+                                  "redis_ttl_s": p.redis_ttl_s}, "redis"),
+    "gpu": _Tiers(lambda s, p: {"gpu_capacity": s.gpu_capacity, "cpu_capacity": 0}, "gpu"),
 }
-"""kvlayer configuration name -> its tier settings."""
+"""kvlayer configuration name -> its tiers."""
+
+QUANTIZED_TIERS = ("nvme", "redis")
+"""The tiers whose payloads ``storage_quantization`` encodes (the memory tiers keep exact tensors)."""
+LOSSY = tuple(q for q in QUANTIZATIONS if q != "none")
+"""The quantizations a configuration name may carry after a colon."""
 
 ALL_CONFIGS: tuple[str, ...] = (*BASELINES, *_TIERS)
 DEFAULT_CONFIGS = "recompute,engine,cpu,cpu+nvme,nvme,redis"
+
+
+class ConfigName(NamedTuple):
+    """A ``--configs`` name split at its colon: ``base``, one of ``ALL_CONFIGS``, and
+    ``quantization``, ``none`` or one of ``LOSSY``."""
+
+    base: str
+    quantization: str
+
+
+def parse_name(name: str) -> ConfigName:
+    """``name`` (``nvme``, ``nvme:int8``) split and checked; ValueError, in one line, for an
+    unknown configuration or quantization, or a quantization where nothing stores it (a
+    baseline, or a configuration without an NVMe or Redis tier)."""
+    base, colon, quantization = name.partition(":")
+    if base not in ALL_CONFIGS:
+        raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(ALL_CONFIGS)} (those with an "
+                         f"NVMe or Redis tier also as <name>:{' or <name>:'.join(LOSSY)})")
+    if not colon:
+        return ConfigName(base, "none")
+    if quantization not in LOSSY:
+        raise ValueError(f"unknown storage quantization {quantization!r} in {name!r}; choose from {', '.join(LOSSY)}")
+    if base in BASELINES:
+        raise ValueError(f"{name!r}: {base} runs without kvlayer, so it has no storage to quantize")
+    tier = _TIERS[base].lowest
+    if tier not in QUANTIZED_TIERS:
+        with_lower = ", ".join(f"{n}:{quantization}" for n, t in _TIERS.items() if t.lowest in QUANTIZED_TIERS)
+        raise ValueError(f"{name!r}: storage_quantization applies only to the NVMe and Redis tiers and the "
+                         f"{tier.upper()} tier keeps exact tensors; use a configuration with one ({with_lower})")
+    return ConfigName(base, quantization)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +126,21 @@ class BenchConfig:
     @property
     def uses_kvlayer(self) -> bool:
         return self.kv_config is not None
+
+    @property
+    def base(self) -> str:
+        """The configuration without its quantization (``nvme`` for ``nvme:int8``)."""
+        return parse_name(self.name).base
+
+    @property
+    def quantization(self) -> str:
+        """Its ``storage_quantization`` (``none`` for exact storage and for the baselines)."""
+        return "none" if self.kv_config is None else self.kv_config.get("storage_quantization", "none")
+
+    @property
+    def lowest_tier(self) -> str | None:
+        """The tier its hits come from once the memory tiers above are emptied (None: no kvlayer)."""
+        return None if self.kv_config is None else _TIERS[self.base].lowest
 
     def public_kv_config(self) -> dict[str, Any] | None:
         """``kv_config`` for reports: a Redis URL's password is masked."""
@@ -99,7 +164,8 @@ def add_config_arguments(p: argparse.ArgumentParser, default_configs: str = DEFA
                          cpu_capacity: str = "2GiB") -> None:
     """``--configs``, ``--chunk-size``, the tier capacities, ``--cache-dir`` and ``--redis-url``."""
     p.add_argument("--configs", type=config_names, default=default_configs,
-                   help=f"comma-separated, of {', '.join(ALL_CONFIGS)}")
+                   help=f"comma-separated, of {', '.join(ALL_CONFIGS)}; one with an NVMe or Redis tier may "
+                        f"end in :{' or :'.join(LOSSY)} (quantized storage, e.g. nvme:int8)")
     p.add_argument("--chunk-size", type=positive_int, default=256, help="kvlayer chunk size in tokens")
     p.add_argument("--cpu-capacity", type=size_or_auto if cpu_capacity == "auto" else size_text, default=cpu_capacity,
                    help="kvlayer CPU tier size (e.g. 512MiB)" + (", or auto" if cpu_capacity == "auto" else ""))
@@ -111,11 +177,10 @@ def add_config_arguments(p: argparse.ArgumentParser, default_configs: str = DEFA
 
 def parse_configs(text: str) -> list[str]:
     """The configuration names in ``text`` (comma-separated, order kept, duplicates dropped);
-    ValueError names an unknown one."""
+    ValueError names a bad one (see ``parse_name``)."""
     names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     for n in names:
-        if n not in ALL_CONFIGS:
-            raise ValueError(f"unknown configuration {n!r}; choose from {', '.join(ALL_CONFIGS)}")
+        parse_name(n)
     if not names:
         raise ValueError("--configs names no configuration")
     return names
@@ -155,24 +220,29 @@ class ConfigFactory:
         self._built = 0
 
     def available(self, names: list[str]) -> list[str]:
-        """``names`` without ``redis`` when no Redis is at hand (printing why)."""
-        if "redis" in names and self.redis_url is None:
-            print("note: no --redis-url and no redis-server binary: the 'redis' configuration is left out")
-            return [n for n in names if n != "redis"]
+        """``names`` without the ``redis`` ones (``redis:int8`` too) when no Redis is at hand (printing why)."""
+        redis = [n for n in names if parse_name(n).base == "redis"]
+        if redis and self.redis_url is None:
+            which = " and ".join(repr(n) for n in redis)
+            print(f"note: no --redis-url and no redis-server binary: the {which} "
+                  f"configuration{'s are' if len(redis) > 1 else ' is'} left out")
+            return [n for n in names if n not in redis]
         return names
 
     def build(self, name: str, layerwise: bool | str = "on", label: str | None = None) -> BenchConfig:
-        """A fresh configuration: kvlayer ones get an empty NVMe folder and their own Redis keys."""
-        if name in BASELINES:
-            return BenchConfig(name, label or name, BASELINES[name], None)
-        if name not in _TIERS:
-            raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(ALL_CONFIGS)}")
-        if name == "redis" and self.redis_url is None:
-            raise ValueError("the 'redis' configuration needs --redis-url or a redis-server binary")
+        """A fresh configuration: kvlayer ones get an empty NVMe folder and their own Redis keys
+        (and ``storage_quantization`` from a ``:int8``/``:fp8`` suffix); ValueError as ``parse_name``."""
+        base, quantization = parse_name(name)
+        if base in BASELINES:
+            return BenchConfig(name, label or name, BASELINES[base], None)
+        if base == "redis" and self.redis_url is None:
+            raise ValueError(f"the {name!r} configuration needs --redis-url or a redis-server binary")
         self._built += 1
-        folder = os.path.join(self.root, f"{name.replace('+', '-')}-{self._built}")
+        folder = os.path.join(self.root, f"{name.replace('+', '-').replace(':', '-')}-{self._built}")
         places = _Places(folder, self.redis_url, f"kvbench-{self._run_id}-{self._built}", self._redis_ttl_s)
-        kv = {"chunk_size": self.sizes.chunk_size, "layerwise": layerwise, **_TIERS[name](self.sizes, places)}
+        kv = {"chunk_size": self.sizes.chunk_size, "layerwise": layerwise, **_TIERS[base].settings(self.sizes, places)}
+        if quantization != "none":  # exact configurations keep the key unset, as before
+            kv["storage_quantization"] = quantization
         return BenchConfig(name, label or name, self.kvlayer_prefix_caching, kv)
 
     def close(self) -> None:
@@ -194,7 +264,8 @@ def factory_from_args(args: argparse.Namespace, names: list[str], kvlayer_prefix
                       cpu_capacity=cpu_capacity if cpu_capacity is not None else parse_size(args.cpu_capacity),
                       nvme_capacity=parse_size(args.nvme_capacity))
     root = args.cache_dir or os.path.join(args.home, "cache", "bench")
-    return ConfigFactory(sizes, root, args.redis_url, "redis" in names, kvlayer_prefix_caching)
+    want_redis = any(parse_name(n).base == "redis" for n in names)
+    return ConfigFactory(sizes, root, args.redis_url, want_redis, kvlayer_prefix_caching)
 
 
 def drop_page_cache(folder: str | None) -> int:

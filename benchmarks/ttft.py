@@ -15,9 +15,13 @@ For each prefix length n (the prompt is n cached tokens + ``--suffix`` new ones)
   and the overlap ratio: layerwise TTFT / max(pure load, suffix compute) (1.0 = perfect
   overlap) and / (load + suffix) (1.0 = no overlap at all), for the full hit and, with
   ``--partial``, for the half-cached prompt;
-- per configuration, the crossover prefix length below which recomputing beats loading.
+- per configuration, the crossover prefix length below which recomputing beats loading;
+- quantized storage (``nvme:int8``, ``redis:fp8``, ...: ``configs.parse_name``): the same
+  figures, with the floor over the bytes the tier holds, plus (``ttft_storage``) the bytes per
+  token its tier holds, its hit TTFT and load over the exact configuration's of the same run,
+  and per prompt whether its first greedy token equals recompute's.
 
-Example: ``kvlayer bench ttft --lengths 256,1024,4096 --configs recompute,engine,cpu,nvme --plot ttft.png``
+Example: ``kvlayer bench ttft --lengths 256,1024,4096 --configs recompute,engine,cpu,nvme,nvme:int8 --plot ttft.png``
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 from typing import Any
 
 from kvlayer.benchmarks import ttft_measure as tm
+from kvlayer.benchmarks import ttft_storage as ts
 from kvlayer.benchmarks.common import (
     add_plot_argument,
     close_figure,
@@ -80,11 +85,11 @@ def main(args: argparse.Namespace) -> int:
         with progress(len(lengths) * (2 + len(variants)), "ttft") as advance:
             base = tm.measure_baselines(model, args.device, prompts, args.partial, max_len, baselines, advance,
                                         args.repeat)
-            rows = {v.label: tm.measure_variant(model, args.device, v, prompts, args.partial, args.chunk_size,
+            runs = {v.label: tm.measure_variant(model, args.device, v, prompts, args.partial, args.chunk_size,
                                                 max_len, advance, args.repeat) for v in variants}
-        ceilings = tm.tier_ceilings(kv_names, factory.root, factory.redis_url, max(lengths) * per_token,
-                                    args.chunk_size * per_token)
-    record = build_record(args, facts, lengths, ceilings, base, variants, rows)
+        ceilings = tm.tier_ceilings(list(dict.fromkeys(v.base for v in variants)), factory.root, factory.redis_url,
+                                    max(lengths) * per_token, args.chunk_size * per_token)
+    record = build_record(args, facts, lengths, ceilings, base, variants, runs)
     report(record)
     write_json(args.json, record)
     plot(args.plot, record)
@@ -93,11 +98,12 @@ def main(args: argparse.Namespace) -> int:
 
 def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[int], ceilings: dict[str, float],
                  base: dict[int, dict[str, Any]], variants: list[BenchConfig],
-                 rows: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """The JSON record: baselines and floors per length, per variant its rows and crossover,
-    and the layerwise overlap when both modes ran. A row's floor is its bytes over the raw
-    ceiling of its tier (``ttft_measure.CEILING_OF``; memcpy when that one was not measured)
-    plus the suffix's compute; the baseline's floor uses memcpy."""
+                 runs: dict[str, tm.VariantRun]) -> dict[str, Any]:
+    """The JSON record: baselines and floors per length, per variant its rows, crossover, bytes
+    per token stored and the comparisons of ``ttft_storage.compare``, and the layerwise overlap
+    when both modes ran. A row's floor is its KV bytes (for quantized storage: the bytes its tier
+    holds) over the raw ceiling of its tier (``ttft_measure.CEILING_OF``; memcpy when that one was
+    not measured) plus the suffix's compute; the baseline's floor uses memcpy."""
     per_token = facts["kv_bytes_per_token"]
     bandwidth = ceilings["memcpy"]
     for n, b in base.items():
@@ -106,19 +112,25 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
         b["floor_s"] = cached * per_token / bandwidth + b["suffix_s"]
     out_variants = {}
     for v in variants:
-        ceiling = ceilings.get(tm.CEILING_OF.get(v.name, "memcpy"), bandwidth)
-        for r in rows[v.label]:
+        ceiling = ceilings.get(tm.CEILING_OF.get(v.base, "memcpy"), bandwidth)
+        rows, stored = runs[v.label]
+        moved = stored.bytes_per_token if stored is not None and v.quantization != "none" else per_token
+        for r in rows:
             b = base[r["prefix"]]
             r["speedup"] = ratio(b["cold_s"], r["hit_s"])
             r["miss_overhead"] = r["miss_s"] / b["cold_s"] - 1
-            r["floor_s"] = r["cached"] * per_token / ceiling + b["suffix_s"]
+            r["floor_s"] = r["cached"] * moved / ceiling + b["suffix_s"]
             r["hit_over_floor"] = ratio(r["hit_s"], r["floor_s"])
             if "partial_hit_s" in r:
                 r["partial_speedup"] = ratio(b["partial_cold_s"], r["partial_hit_s"])
-        cross = crossover(lengths, [base[n]["cold_s"] for n in lengths], [r["hit_s"] for r in rows[v.label]])
-        out_variants[v.label] = {"config": v.name, "layerwise": v.kv_config["layerwise"],
-                                 "kv_config": v.public_kv_config(), "by_length": rows[v.label],
+        cross = crossover(lengths, [base[n]["cold_s"] for n in lengths], [r["hit_s"] for r in rows])
+        out_variants[v.label] = {"config": v.name, "base": v.base, "quantization": v.quantization,
+                                 "layerwise": v.kv_config["layerwise"], "kv_config": v.public_kv_config(),
+                                 "stored": stored.to_json() if stored is not None else None,
+                                 "stored_bytes_per_token": stored.bytes_per_token if stored is not None else None,
+                                 "by_length": rows,
                                  "crossover": {"length": cross.length, "kind": cross.kind, "text": cross.text()}}
+    ts.compare(out_variants, base)
     return {"bench": "ttft", "machine": machine_info(args.device), "model": facts,
             "settings": settings_of(args),
             "ceilings_gib_s": {k: v / 2**30 for k, v in ceilings.items()}, "lengths": lengths,
@@ -187,6 +199,7 @@ def report(record: dict[str, Any]) -> None:
                       o["ratio_max"], o["ratio_sum"]] for o in record["layerwise"]])
         print("lw/max = layerwise TTFT / max(load, suffix compute): 1.0 is perfect overlap; "
               "lw/sum = / (load + suffix): 1.0 is no overlap")
+    ts.print_storage(record)
     print("crossover: the cached prefix length below which recomputing is cheaper than loading")
     for label, v in record["variants"].items():
         print(f"  {label}: {v['crossover']['text']} tokens")
@@ -201,8 +214,9 @@ def plot(path: str | None, record: dict[str, Any]) -> None:
         return
     lengths = record["lengths"]
     base = [record["baselines"][str(n)] for n in lengths]
-    fig, axes = new_figure(1, 2, (13, 4.8))
-    ax, ax_s = axes[0]
+    quantized = bool(ts.quantized(record))
+    fig, axes = new_figure(1, 3 if quantized else 2, (19 if quantized else 13, 4.8))
+    ax, ax_s = axes[0][:2]
     ax.plot(lengths, [b["cold_s"] for b in base], "k-o", label="recompute")
     ax.plot(lengths, [b["suffix_s"] for b in base], "k--", label="engine hit")
     ax.plot(lengths, [b["floor_s"] for b in base], ":", color="0.5", label="floor")
@@ -213,13 +227,15 @@ def plot(path: str | None, record: dict[str, Any]) -> None:
     ax.set(yscale="log", ylabel="TTFT s", title="TTFT")
     ax_s.axhline(1.0, color="k", lw=0.8)
     ax_s.set(ylabel="recompute TTFT / hit TTFT", title="speedup over recompute (crossover where it crosses 1)")
-    for a in (ax, ax_s):
+    if quantized:
+        ts.plot_vs_exact(axes[0][2], record)
+    for a in axes[0]:
         a.set_xscale("log", base=2)
         a.set_xticks(lengths, [str(n) for n in lengths])
         a.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
         a.set_xlabel("cached prefix tokens")
-    ax.legend(fontsize=7)
-    ax_s.legend(fontsize=7)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
     fig.suptitle(f"bench ttft (suffix {record['settings'].get('suffix')} tokens)")
     st = record["settings"]
     setup = (f"suffix {st['suffix']} tokens, chunk {st['chunk_size']}, engine prefix cache off for kvlayer; "

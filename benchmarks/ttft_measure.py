@@ -8,6 +8,10 @@ Before every kvlayer hit, ``isolate`` leaves the chunk in the measured tier alon
 writes finished, the CPU tier emptied when NVMe sits below it (``cpu+nvme`` is an NVMe hit
 through the CPU tier, promotion included), and the NVMe files dropped from the OS page cache
 (so an NVMe hit reads the disk, not memory).
+
+Every request generates one greedy token; recompute's and each hit's are kept (``cold_token``,
+``hit_token``: the first token only) for ``ttft_storage`` to compare, which also measures what
+the variant's lowest tier holds per token once its prompts ran.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlayer.benchmarks.configs import BenchConfig, drop_page_cache, make_llm, tier_hit_tokens
+from kvlayer.benchmarks.ttft_storage import Stored, stored_bytes
 
 WARMUP_TOKENS = 64
 
@@ -58,12 +63,17 @@ def median_of(repeat: int, measure: Callable[[int], float | None]) -> float | No
     return None if any(v is None for v in values) else statistics.median(values)  # type: ignore[type-var]
 
 
-def ttft(llm: Any, prompt: list[int]) -> float:
-    """Seconds from submission to the first token of ``prompt`` (one request, greedy)."""
+def first_token(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    """Seconds from submission to the first token of ``prompt`` (one request, greedy), and that token."""
     from kvlayer.engine import SamplingParams
 
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0))[0]
-    return out.metrics.ttft
+    return out.metrics.ttft, out.outputs[0].token_ids[0]
+
+
+def ttft(llm: Any, prompt: list[int]) -> float:
+    """Seconds from submission to the first token of ``prompt`` (one request, greedy)."""
+    return first_token(llm, prompt)[0]
 
 
 def open_llm(model: str, device: str, config: BenchConfig, max_len: int) -> Any:
@@ -109,15 +119,15 @@ def pure_load(llm: Any, tokens: list[int]) -> float | None:
 
 def measure_baselines(model: str, device: str, prompts: list[Prompts], partial: bool, max_len: int,
                       configs: dict[str, BenchConfig], advance: Any, repeat: int = 1) -> dict[int, dict[str, Any]]:
-    """Per prefix length: ``cold_s`` (recompute) and ``suffix_s`` (an engine prefix-cache hit on
-    ``sibling``: the n-token prefix reused, the suffix computed alone; median of ``repeat``),
-    and with ``partial`` the same two for ``partial(n)``."""
+    """Per prefix length: ``cold_s`` and ``cold_token`` (recompute's TTFT and greedy token) and
+    ``suffix_s`` (an engine prefix-cache hit on ``sibling``: the n-token prefix reused, the
+    suffix computed alone; median of ``repeat``), and with ``partial`` the same for ``partial(n)``."""
     out: dict[int, dict[str, Any]] = {p.n: {} for p in prompts}
     with open_llm(model, device, configs["recompute"], max_len) as llm:
         for p in prompts:
-            out[p.n]["cold_s"] = ttft(llm, p.full)
+            out[p.n]["cold_s"], out[p.n]["cold_token"] = first_token(llm, p.full)
             if partial:
-                out[p.n]["partial_cold_s"] = ttft(llm, p.partial())
+                out[p.n]["partial_cold_s"], out[p.n]["partial_cold_token"] = first_token(llm, p.partial())
             advance(1)
     with open_llm(model, device, configs["engine"], max_len) as llm:
         for p in prompts:
@@ -129,35 +139,49 @@ def measure_baselines(model: str, device: str, prompts: list[Prompts], partial: 
     return out
 
 
-def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[str, int]]:
-    """TTFT of ``prompt`` after ``isolate``, and the tokens each tier served for it."""
+def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[str, int], int]:
+    """TTFT of ``prompt`` after ``isolate``, the tokens each tier served for it, and its greedy token."""
     isolate(llm, config)
     before = tier_hit_tokens(llm.kv_stats())
-    t = ttft(llm, prompt)
+    t, token = first_token(llm, prompt)
     after = tier_hit_tokens(llm.kv_stats())
-    return t, {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+    return t, {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}, token
+
+
+class VariantRun(NamedTuple):
+    """``measure_variant``'s answer: a row per prefix length, and what the configuration's lowest
+    tier held per token at the end (None for a memory tier; see ``ttft_storage.stored_bytes``)."""
+
+    rows: list[dict[str, Any]]
+    stored: Stored | None
 
 
 def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[Prompts], partial: bool,
-                    chunk: int, max_len: int, advance: Any, repeat: int = 1) -> list[dict[str, Any]]:
-    """Per prefix length under one kvlayer configuration: the first (all-miss) request, the hit,
-    the pure load of the cached prefix and, with ``partial``, the half-cached prompt's hit and
-    load; hits and loads are medians of ``repeat`` (partial hits on new variants each time)."""
+                    chunk: int, max_len: int, advance: Any, repeat: int = 1) -> VariantRun:
+    """Per prefix length under one kvlayer configuration: the first (all-miss) request, the hit
+    and its greedy token, the pure load of the cached prefix and, with ``partial``, the
+    half-cached prompt's hit and load; hits and loads are medians of ``repeat`` (partial hits on
+    new variants each time); then the bytes per token its lowest tier holds."""
     rows = []
     with open_llm(model, device, config, max_len) as llm:
         for p in prompts:
             rows.append(_measure_length(llm, config, p, chunk, partial, repeat))
             advance(1)
-    return rows
+        ce = cache_engine(llm)
+        ce.flush()
+        stored = stored_bytes(llm, config, len(ce.layout.window_groups))
+    return VariantRun(rows, stored)
 
 
 def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, partial: bool,
                     repeat: int) -> dict[str, Any]:
     """``measure_variant``'s row for one prefix length."""
     tiers: dict[str, dict[str, int]] = {}
+    tokens: dict[str, int] = {}
 
     def hit(prompt: list[int], case: str) -> float:
-        t, tiers[case] = _hit(llm, config, prompt)
+        t, tiers[case], token = _hit(llm, config, prompt)
+        tokens.setdefault(case, token)  # the first prompt's: partial(0), the one recompute ran
         return t
 
     def load(tokens: list[int]) -> float | None:
@@ -167,12 +191,12 @@ def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, parti
     cached = p.n // chunk * chunk
     row: dict[str, Any] = {"prefix": p.n, "cached": cached, "miss_s": ttft(llm, p.full)}
     row["hit_s"] = median_of(repeat, lambda _k: hit(p.full, "full"))
-    row["hit_tiers"] = tiers["full"]
+    row["hit_tiers"], row["hit_token"] = tiers["full"], tokens["full"]
     row["load_s"] = median_of(repeat, lambda _k: load(p.full[:cached]))
     if partial:
         half = row["partial_cached"] = p.n // 2 // chunk * chunk
         row["partial_hit_s"] = median_of(repeat, lambda k: hit(p.partial(k), "partial"))
-        row["partial_tiers"] = tiers["partial"]
+        row["partial_tiers"], row["partial_hit_token"] = tiers["partial"], tokens["partial"]
         row["partial_load_s"] = median_of(repeat, lambda _k: load(p.full[:half]))  # the partial prompts' cached half
     return row
 
@@ -183,7 +207,7 @@ CEILING_OF = {"cpu": "memcpy", "nvme": "nvme_cold", "cpu+nvme": "nvme_cold", "re
 
 def tier_ceilings(names: list[str], folder: str, redis_url: str | None, nbytes: int,
                   chunk_bytes: int) -> dict[str, float]:
-    """Bytes/s of each raw ceiling the configurations ``names`` need (``CEILING_OF``), for
+    """Bytes/s of each raw ceiling the configurations ``names`` (without quantization) need (``CEILING_OF``), for
     ``nbytes`` in ``chunk_bytes`` pieces: torch copies, cold sequential file reads under
     ``folder`` (left out where the page cache cannot be dropped), pipelined redis-py GETs."""
     from kvlayer.benchmarks import tier_ceilings as raw
