@@ -10,21 +10,28 @@ the tiers). They share only vLLM's per-step metadata (``vllm_meta``) and the loo
 (``vllm_lookup``). This class translates vLLM's interface (``KVConnectorBase_V1``, as installed)
 into those two and nothing more (docs/architecture.md section 10). Loads are synchronous, layer
 by layer where ``layerwise`` says so; saves copy out within the step, so a finished request's
-blocks are never held (``request_finished`` answers False).
+blocks are never held (``request_finished`` answers False). With vLLM's KV-cache events on
+(``kv_events_config``), the workers report what enters and leaves kvlayer's tiers as vLLM's
+``BlockStored`` and ``BlockRemoved`` events (``get_kv_connector_kv_cache_events``), which the
+scheduler side hands to vLLM (``take_events``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
+from kvlayer.connectors.vllm_events import Stored, TierEvent
 from kvlayer.connectors.vllm_lookup import LookupClient, socket_path
 from kvlayer.connectors.vllm_meta import StepMetadata
 from kvlayer.connectors.vllm_scheduler import SchedulerSide
@@ -53,6 +60,68 @@ class KVLayerStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+class KVLayerKVEvents(KVConnectorKVEvents):
+    """The KV-cache events of one step's workers (vLLM's ``KVConnectorKVEvents``); vLLM's
+    ``KVOutputAggregator`` appends each worker's to the first one's. ``aggregate`` keeps every
+    event: each tensor-parallel rank's chunks have keys of their own (the rank is part of the
+    namespace), so there are no events common to all workers to keep."""
+
+    def __init__(self, events: Iterable[KVCacheEvent] = (), num_workers: int = 1) -> None:
+        self._events = list(events)
+        self._workers = num_workers
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> KVLayerKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return list(self._events)
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
+
+    def __repr__(self) -> str:
+        return f"<KVLayerKVEvents workers={self._workers} events={len(self._events)}>"
+
+
+def vllm_events(records: Sequence[TierEvent], chunk_size: int) -> list[KVCacheEvent]:
+    """vLLM's events for kvlayer's tier records (``vllm_events``): a ``BlockStored`` per stored
+    run, one "block" per chunk of ``chunk_size`` tokens, and a ``BlockRemoved`` per removed run.
+    The hashes are kvlayer's chunk digests as vLLM's ``maybe_convert_block_hash`` turns its own
+    into event hashes (the low 64 bits as an int by default; the bytes with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); the medium is ``kvlayer:<tier>``."""
+    out: list[KVCacheEvent] = []
+    for rec in records:
+        hashes = [_hash(d) for d in rec.digests]
+        medium = f"kvlayer:{rec.tier}"
+        if isinstance(rec, Stored):
+            parent = _hash(rec.parent) if rec.parent is not None else None
+            out.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(rec.token_ids),
+                                   block_size=chunk_size, lora_id=None, medium=medium, lora_name=None))
+        else:
+            out.append(BlockRemoved(block_hashes=hashes, medium=medium))
+    return out
+
+
+def _hash(digest: bytes) -> ExternalBlockHash:
+    return maybe_convert_block_hash(BlockHash(digest))
+
+
+def _events_on(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV-cache events (``kv_events_config.enable_kv_cache_events``): vLLM
+    takes the connector's events at every step, but drops them unless they are on."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and events.enable_kv_cache_events)
+
+
 class KVLayerConnectorV1(KVConnectorBase_V1):
     """kvlayer's vLLM connector; ``vllm_config.kv_transfer_config.kv_connector_extra_config``
     holds kvlayer's config keys (``kvlayer.connectors.vllm_setup.kvlayer_config``). A bad key
@@ -71,6 +140,10 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._client: LookupClient | None = None
+        self._events_on = _events_on(vllm_config)
+        self._events: list[KVCacheEvent] = []  # the scheduler side's, until take_events
+        self.events_lost = 0
+        """Steps whose events were dropped by a failure here (logged once)."""
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this side: kvlayer is a cache, so a
@@ -101,7 +174,7 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         name, fingerprint = model_identity(str(model.model), getattr(model, "revision", None))
         engine = {"model_name": name, "model_fingerprint": fingerprint, "device": str(first.device),
                   "tp_rank": 0, "tp_size": 1}
-        self._worker = WorkerSide(self._config, layout, socket_path(self._engine_id, 0), engine)
+        self._worker = WorkerSide(self._config, layout, socket_path(self._engine_id, 0), engine, self._events_on)
         self._worker.register(names, [kv_caches[n] for n in names])
         log.info("kvlayer: %d layers of %s, tiers %s", len(names), layout.cache_layout, self._worker.kv.tier_names)
 
@@ -138,6 +211,18 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         counts = self._worker.take_stats() if self._worker is not None else {}
         return KVLayerStats(data=counts) if counts else None
 
+    def get_kv_connector_kv_cache_events(self) -> KVLayerKVEvents | None:
+        """What entered and left this worker's tiers since the last step, as vLLM's events; None
+        if nothing did (or events are off). Never raises: a failure drops the events (logged)."""
+        if self._worker is None:
+            return None
+        try:
+            records = self._worker.take_events()
+            return KVLayerKVEvents(vllm_events(records, self._config.chunk_size)) if records else None
+        except Exception:
+            self._lost_events("building")
+            return None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLayerStats:
         return KVLayerStats(data=dict(data or {}))
@@ -166,6 +251,22 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if self._scheduler is not None and invalid:
             self._scheduler.load_failed(set(invalid))
+        events = getattr(connector_output, "kv_cache_events", None)
+        if isinstance(events, KVLayerKVEvents):
+            try:
+                self._events.extend(events.get_all_events())
+            except Exception:
+                self._lost_events("collecting")
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The workers' events since the last call (vLLM publishes them after its own)."""
+        events, self._events = self._events, []
+        return events
+
+    def _lost_events(self, doing: str) -> None:
+        level = logging.DEBUG if self.events_lost else logging.WARNING
+        self.events_lost += 1
+        log.log(level, "kvlayer: %s the KV-cache events failed; they are dropped", doing, exc_info=True)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:

@@ -5,7 +5,9 @@ lookup channel's server. Per step: ``bind`` prepares the step's saves (a ``SaveJ
 ``save_layer`` can copy each layer out right after its attention), ``start_load`` starts the
 loads (layer by layer on a loader thread, or all at once, as ``layerwise`` says), and
 ``finish`` stores what was saved. A failed load is reported as vLLM block ids
-(``load_errors``), which vLLM recomputes; nothing here raises into vLLM after start-up.
+(``load_errors``), which vLLM recomputes; nothing here raises into vLLM after start-up. With
+``events`` on, it listens to its tiers (``vllm_events.TierEvents``) for vLLM's KV-cache events
+(``take_events``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.config import KVLayerConfig
+from kvlayer.connectors.vllm_events import TierEvent, TierEvents
 from kvlayer.connectors.vllm_lookup import Answer, LookupServer
 from kvlayer.connectors.vllm_meta import StepMetadata
 from kvlayer.keys import ChunkKey
@@ -36,9 +39,10 @@ STAT_NAMES = ("lookups", "lookup_hit_tokens", "loaded_tokens", "failed_load_toke
 class WorkerSide:
     """kvlayer in one vLLM worker: ``layout`` of its caches, ``socket`` the lookup channel's path.
     ``engine`` holds what ``KVCacheEngine`` needs besides (model name and fingerprint, device,
-    tp rank and size)."""
+    tp rank and size); ``events``: record what enters and leaves the tiers (``take_events``)."""
 
-    def __init__(self, config: KVLayerConfig, layout: KVLayout, socket: str, engine: dict[str, Any]) -> None:
+    def __init__(self, config: KVLayerConfig, layout: KVLayout, socket: str, engine: dict[str, Any],
+                 events: bool = False) -> None:
         self.config = config
         self.layout = layout
         engine = dict(engine)
@@ -63,6 +67,11 @@ class WorkerSide:
             from kvlayer.controller.agent import start_agent
 
             self._agent = start_agent(self.kv, config, address=config.instance_address)
+        self.events: TierEvents | None = None
+        if events:  # the agent listens to the same tiers: the recorder passes every call on to it
+            self.events = TierEvents(then=self._agent)
+            for backend in self.kv.backends:
+                backend.set_listener(self.events)
 
     def register(self, names: Sequence[str], caches: Sequence[torch.Tensor]) -> None:
         """vLLM's caches, one per layer in model order, named ``names``; ``ValueError`` if one does
@@ -83,8 +92,11 @@ class WorkerSide:
         try:
             items = []
             for s in meta.saves:
-                keys = [k for k in self._keys_of(s.request_id, s.token_ids, s.salt) if k.start >= s.first]
+                known = self._keys_of(s.request_id, s.token_ids, s.salt)
+                keys = [k for k in known if k.start >= s.first]
                 if keys:
+                    if self.events is not None:
+                        self.events.remember(known, s.token_ids, s.first)
                     items.append(SaveItem(s.request_id, tuple(keys), self._slots(s.block_ids, keys[-1].end)))
             self._save = SaveJob(self.kv.tiers, self.kv.chunk_staging, items)
         except Exception:  # a bug below must cost a save, never the engine
@@ -98,6 +110,9 @@ class WorkerSide:
             items = [LoadItem(ld.request_id, tuple(self._keys_of(ld.request_id, ld.token_ids, ld.salt)),
                               ld.sources, self._slots(ld.block_ids, ld.end), ld.start, ld.end)
                      for ld in self._meta.loads]
+            if self.events is not None:  # a chunk read from a lower tier may be promoted into a higher one
+                for ld, item in zip(self._meta.loads, items):
+                    self.events.remember(item.keys, ld.token_ids, ld.start - ld.start % self.config.chunk_size)
             layerwise = loads_layerwise(self.config.layerwise, self.device, self.kv.tiers, items)
             self._load = LoadJob(self.kv.tiers, self.kv.chunk_staging, self.kv.groups, self._views, items,
                                  self._loader if layerwise else None)
@@ -137,6 +152,11 @@ class WorkerSide:
         with self._counts_lock:
             counts, self._counts = self._counts, {name: 0 for name in STAT_NAMES}
         return counts if any(counts.values()) else {}
+
+    def take_events(self) -> list[TierEvent]:
+        """What entered and left the tiers since the last call (``TierEvents.take``); [] when
+        events are off."""
+        return self.events.take() if self.events is not None else []
 
     def _count(self, **deltas: int) -> None:
         with self._counts_lock:
@@ -178,5 +198,8 @@ class WorkerSide:
         self._server.close()
         if self._agent is not None:
             self._agent.close()
+        if self.events is not None:  # closing the tiers drops every chunk: nobody takes those events
+            for backend in self.kv.backends:
+                backend.set_listener(None)
         self._loader.shutdown(wait=True)
         self.kv.close()

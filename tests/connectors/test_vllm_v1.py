@@ -3,7 +3,9 @@
 Each engine runs in its own process (``tests/connectors/vllm_driver.py``, in-process vLLM mode
 for speed; one test runs vLLM's default multiprocessing mode, where the scheduler and the
 worker are separate processes). vLLM's own prefix caching is off unless a test says otherwise,
-so every hit is kvlayer's. Greedy tokens with kvlayer must equal vLLM's without it.
+so every hit is kvlayer's. Greedy tokens with kvlayer must equal vLLM's without it. Most runs
+also turn vLLM's KV-cache events on (vLLM's "null" publisher): the events vLLM's scheduler
+publishes must name exactly the chunks that entered and left kvlayer's tiers.
 """
 
 from __future__ import annotations
@@ -85,6 +87,51 @@ def tier(run: dict[str, Any], rnd: int, name: str) -> dict[str, Any]:
     return run["rounds"][rnd]["stats"]["tiers"][name]
 
 
+# --- vLLM's KV-cache events (the driver's ``events``, ``keys`` and ``held``) -------------------
+def event_hash(hex_digest: str) -> int:
+    """A kvlayer chunk digest as vLLM's events carry it by default: its low 64 bits."""
+    return int(hex_digest, 16) & ((1 << 64) - 1)
+
+
+def chunks_of(run: dict[str, Any], rnd: int, prompts: list[list[int]]) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+    """kvlayer's full chunks of round ``rnd``'s ``prompts`` (its own keys): event hash -> (the
+    previous chunk's, the chunk's tokens)."""
+    out = {}
+    for p, digests in zip(prompts, run["rounds"][rnd]["keys"], strict=True):
+        hashes = [event_hash(d) for d in digests]
+        assert len(hashes) == len(p) // CHUNK
+        for i, h in enumerate(hashes):
+            out[h] = (hashes[i - 1] if i else None, tuple(p[i * CHUNK : (i + 1) * CHUNK]))
+    return out
+
+
+def events(run: dict[str, Any], rounds: list[int], kind: str, medium: str) -> list[dict[str, Any]]:
+    return [e for r in rounds for e in run["rounds"][r]["events"] if e["type"] == kind and e["medium"] == medium]
+
+
+def stored(run: dict[str, Any], rounds: list[int], medium: str) -> list[tuple[int, tuple[int | None, tuple[int, ...]]]]:
+    """Each chunk the rounds' ``BlockStored`` events name, in the form of ``chunks_of``, sorted."""
+    out = []
+    for e in events(run, rounds, "BlockStored", medium):
+        assert e["block_size"] == CHUNK and len(e["tokens"]) == CHUNK * len(e["hashes"])
+        for i, h in enumerate(e["hashes"]):
+            out.append((h, (e["hashes"][i - 1] if i else e["parent"], tuple(e["tokens"][i * CHUNK : (i + 1) * CHUNK]))))
+    return sorted(out, key=lambda c: c[0])
+
+
+def replayed(run: dict[str, Any], medium: str) -> set[int]:
+    """What a subscriber of the events thinks the tier holds after the run."""
+    held: set[int] = set()
+    for r in run["rounds"]:
+        for e in (e for e in r["events"] if e["medium"] == medium):
+            (held.update if e["type"] == "BlockStored" else held.difference_update)(e["hashes"])
+    return held
+
+
+def held(run: dict[str, Any], name: str) -> set[int]:
+    return {event_hash(d) for d in run["rounds"][-1]["held"][name]}
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm")
@@ -106,7 +153,7 @@ def baseline(llama, work) -> dict[str, Any]:
 def cpu_run(llama, work) -> dict[str, Any]:
     cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
     salted = {"prompts": PROMPTS[:2], "salts": ["tenant-a", "tenant-a"]}
-    return drive({"model": llama, "kvlayer": cfg, "rounds": [
+    return drive({"model": llama, "kvlayer": cfg, "kv_events": True, "rounds": [
         {"prompts": PROMPTS}, {"prompts": PROMPTS}, {"prompts": CONCURRENT}, salted, salted]}, work)
 
 
@@ -121,6 +168,21 @@ def test_cpu_tier_hits_give_vllms_own_tokens(baseline, cpu_run) -> None:
     counts = [r["stats"]["connector"] for r in cpu_run["rounds"][:2]]  # what vLLM's connector stats report
     assert counts[1]["loaded_tokens"] - counts[0]["loaded_tokens"] == sum(map(hits, PROMPTS))
     assert counts[1]["failed_load_tokens"] == 0 and counts[0]["saved_chunks"] == tier(cpu_run, 0, "cpu")["put_chunks"]
+
+
+def test_vllms_kv_cache_events_name_the_chunks_kvlayer_stored(cpu_run) -> None:
+    first = chunks_of(cpu_run, 0, PROMPTS)
+    assert stored(cpu_run, [0], "kvlayer:cpu") == sorted(first.items()), \
+        "every chunk stored once, with its tokens, its parent and kvlayer's digest"
+    assert stored(cpu_run, [1], "kvlayer:cpu") == [], "hits store nothing"
+    concurrent = chunks_of(cpu_run, 2, CONCURRENT)
+    assert stored(cpu_run, [2], "kvlayer:cpu") == sorted((h, c) for h, c in concurrent.items() if h not in first)
+    salted = chunks_of(cpu_run, 3, PROMPTS[:2])
+    assert not set(salted) & set(first), "a salt gives chunks keys of their own"
+    assert stored(cpu_run, [3], "kvlayer:cpu") == sorted(salted.items())
+    assert stored(cpu_run, [4], "kvlayer:cpu") == []
+    assert {e["type"] for r in cpu_run["rounds"] for e in r["events"]} == {"BlockStored"}, "256 MiB: nothing evicted"
+    assert replayed(cpu_run, "kvlayer:cpu") == held(cpu_run, "cpu")
 
 
 def test_32_concurrent_requests_sharing_a_prefix(baseline, cpu_run) -> None:
@@ -144,7 +206,8 @@ def nvme_path(work) -> Path:
 @pytest.fixture(scope="module")
 def nvme_run(llama, work, nvme_path) -> dict[str, Any]:
     cfg = {"cpu_capacity": 0, "nvme_path": str(nvme_path), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
-    return drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
+    return drive({"model": llama, "kvlayer": cfg, "kv_events": True,
+                  "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
 
 
 def test_nvme_hits_are_exact_and_a_second_process_hits_at_once(baseline, nvme_run, llama, work, nvme_path) -> None:
@@ -154,9 +217,13 @@ def test_nvme_hits_are_exact_and_a_second_process_hits_at_once(baseline, nvme_ru
     assert tier(nvme_run, 1, "nvme")["hit_tokens"] == sum(map(hits, PROMPTS))
     assert list(nvme_path.rglob("*.kvc")), "chunks are files on disk"
     cfg = {"cpu_capacity": 0, "nvme_path": str(nvme_path), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
-    second = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}]}, work)
+    second = drive({"model": llama, "kvlayer": cfg, "kv_events": True, "rounds": [{"prompts": PROMPTS}]}, work)
     assert second["rounds"][0]["tokens"] == ref
     assert second["rounds"][0]["cached"] == [hits(p) for p in PROMPTS], "its very first requests hit"
+    # the background writes of round 0 reach the scheduler with a later step's output
+    assert stored(nvme_run, [0, 1], "kvlayer:nvme") == sorted(chunks_of(nvme_run, 0, PROMPTS).items())
+    assert replayed(nvme_run, "kvlayer:nvme") == held(nvme_run, "nvme")
+    assert second["rounds"][0]["events"] == [], "files found at start-up are not announced (no tokens known)"
 
 
 def test_a_corrupted_chunk_file_is_a_miss_and_a_counter(baseline, nvme_run, llama, work, nvme_path) -> None:
@@ -166,11 +233,17 @@ def test_a_corrupted_chunk_file_is_a_miss_and_a_counter(baseline, nvme_run, llam
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
     cfg = {"cpu_capacity": 0, "nvme_path": str(nvme_path), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
-    run = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}]}, work)
+    run = drive({"model": llama, "kvlayer": cfg, "kv_events": True, "rounds": [{"prompts": PROMPTS}]}, work)
     assert run["rounds"][0]["tokens"] == baseline["rounds"][0]["tokens"], "never wrong KV"
     assert tier(run, 0, "nvme")["checksum_errors"] >= 1
     assert tier(run, 0, "nvme")["hit_tokens"] == 0
     assert run["rounds"][0]["stats"]["connector"]["failed_load_tokens"] > 0, "reported to vLLM, which recomputed"
+    removed = [h for e in events(run, [0], "BlockRemoved", "kvlayer:nvme") for h in e["hashes"]]
+    chunks = chunks_of(run, 0, PROMPTS)
+    assert removed and len(removed) == len(set(removed)), "each corrupt file dropped once"
+    assert set(removed) <= set(chunks) and len(removed) <= tier(run, 0, "nvme")["checksum_errors"], \
+        "a checksum error is counted per read (two prompts share a chunk), a file dropped once"
+    assert set(stored(run, [0], "kvlayer:nvme")) <= set(chunks.items()), "only recomputed chunks, stored again"
 
 
 def test_a_redis_killed_mid_run_costs_hits_not_tokens(baseline, llama, work) -> None:
@@ -178,7 +251,7 @@ def test_a_redis_killed_mid_run_costs_hits_not_tokens(baseline, llama, work) -> 
     with RedisServer() as server:
         cfg = {"cpu_capacity": 0, "redis_url": server.url, "chunk_size": CHUNK, "tier_timeout_ms": 500}
         gate = work / "redis-killed"
-        proc = drive({"model": llama, "kvlayer": cfg, "rounds": [
+        proc = drive({"model": llama, "kvlayer": cfg, "kv_events": True, "rounds": [
             {"prompts": PROMPTS}, {"prompts": PROMPTS}, {"prompts": PROMPTS, "wait_for": str(gate)},
             {"prompts": PROMPTS}]}, work, background=True)
         deadline = time.monotonic() + 300
@@ -192,6 +265,10 @@ def test_a_redis_killed_mid_run_costs_hits_not_tokens(baseline, llama, work) -> 
     assert [r["tokens"] for r in run["rounds"]] == [ref] * 4
     assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS], "Redis served hits while it lived"
     assert run["rounds"][2]["cached"] == [0] * len(PROMPTS) == run["rounds"][3]["cached"]
+    assert stored(run, [0, 1], "kvlayer:redis") == sorted(chunks_of(run, 0, PROMPTS).items())
+    counts = [r["stats"]["connector"]["saved_chunks"] for r in run["rounds"]]
+    assert counts[3] > counts[1], "the chunks were saved again once Redis was gone"
+    assert run["rounds"][2]["events"] == run["rounds"][3]["events"] == [], "a write that failed is no event"
 
 
 def test_preemption_with_a_kv_cache_too_small_for_the_batch(baseline, llama, work) -> None:
@@ -206,13 +283,21 @@ def test_preemption_with_a_kv_cache_too_small_for_the_batch(baseline, llama, wor
 
 
 def test_vllms_prefix_cache_first_kvlayer_for_what_it_misses(baseline, llama, work) -> None:
-    cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
-    run = drive({"model": llama, "kvlayer": cfg, "prefix_caching": True,
+    """Also: a CPU tier of 4 chunks (of 13) evicts, and vLLM publishes its own events beside kvlayer's."""
+    cfg = {"cpu_capacity": "1MiB", "chunk_size": CHUNK}
+    run = drive({"model": llama, "kvlayer": cfg, "prefix_caching": True, "kv_events": True,
                  "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work)
     assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == baseline["rounds"][0]["tokens"]
     assert all(c > 0 for c in run["rounds"][1]["cached"])
     assert tier(run, 1, "cpu")["hit_tokens"] == tier(run, 0, "cpu")["hit_tokens"], \
         "vLLM's own cache held every block: kvlayer loaded nothing"
+    chunks = chunks_of(run, 0, PROMPTS)
+    assert set(stored(run, [0, 1], "kvlayer:cpu")) <= set(chunks.items())
+    assert len(stored(run, [0], "kvlayer:cpu")) < run["rounds"][0]["stats"]["connector"]["saved_chunks"], \
+        "the chunks the full tier had no room for are not announced"
+    assert events(run, [0, 1], "BlockRemoved", "kvlayer:cpu"), "the LRU evictions are"
+    assert replayed(run, "kvlayer:cpu") == held(run, "cpu") and len(held(run, "cpu")) == 4
+    assert run["rounds"][0]["vllm_events"] > 0, "vLLM's prefix cache's own events, in the same batches"
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -229,9 +314,15 @@ def test_a_bad_extra_config_stops_the_start_up_with_kvlayers_message(llama, work
 def test_scheduler_and_worker_in_separate_processes(baseline, llama, work) -> None:
     """vLLM's default mode: the lookups cross the channel, the metadata is carried by vLLM."""
     cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
-    run = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work, mp=True)
+    endpoint = f"ipc://{work}/kv-events.sock"  # vLLM's ZMQ publisher, the driver its subscriber
+    run = drive({"model": llama, "kvlayer": cfg, "kv_events": endpoint,
+                 "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work, mp=True)
     assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == baseline["rounds"][0]["tokens"]
     assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS]
+    chunks = {tuple(p[i * CHUNK : (i + 1) * CHUNK]) for p in PROMPTS for i in range(len(p) // CHUNK)}
+    got = stored(run, [0], "kvlayer:cpu")  # the worker's events crossed into the engine-core process
+    assert sorted(tokens for _, (_, tokens) in got) == sorted(chunks) and len({h for h, _ in got}) == len(chunks)
+    assert run["rounds"][1]["events"] == [], "hits store nothing"
 
 
 def test_a_qwen2_model_with_qkv_biases(work) -> None:
