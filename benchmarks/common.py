@@ -49,7 +49,8 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
 
 def model_facts(model: str, device: str = "cpu") -> dict[str, Any]:
     """The model folder ``model`` as recorded next to every figure: name, shape, vocabulary, KV
-    dtype (the engine's default: float32 on the CPU, bfloat16 elsewhere) and KV bytes per token."""
+    dtype (the engine's default: float32 on the CPU, bfloat16 elsewhere), each layer's sliding window
+    (None: full attention) and KV bytes per token."""
     from kvlayer.engine.model_config import load_model_config
 
     cfg = load_model_config(model)
@@ -57,6 +58,7 @@ def model_facts(model: str, device: str = "cpu") -> dict[str, Any]:
     return {"path": str(model), "name": cfg.model_name, "architecture": cfg.architecture,
             "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
             "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size, "dtype": dtype,
+            "layer_windows": list(cfg.layer_windows),
             "kv_bytes_per_token": cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem}
 
 

@@ -229,9 +229,11 @@ class ConfigFactory:
             return [n for n in names if n not in redis]
         return names
 
-    def build(self, name: str, layerwise: bool | str = "on", label: str | None = None) -> BenchConfig:
+    def build(self, name: str, layerwise: bool | str = "on", label: str | None = None,
+              window_aware: bool = True) -> BenchConfig:
         """A fresh configuration: kvlayer ones get an empty NVMe folder and their own Redis keys
-        (and ``storage_quantization`` from a ``:int8``/``:fp8`` suffix); ValueError as ``parse_name``."""
+        (and ``storage_quantization`` from a ``:int8``/``:fp8`` suffix; ``window_aware`` False
+        loads full KV on a model with sliding windows); ValueError as ``parse_name``."""
         base, quantization = parse_name(name)
         if base in BASELINES:
             return BenchConfig(name, label or name, BASELINES[base], None)
@@ -243,6 +245,8 @@ class ConfigFactory:
         kv = {"chunk_size": self.sizes.chunk_size, "layerwise": layerwise, **_TIERS[base].settings(self.sizes, places)}
         if quantization != "none":  # exact configurations keep the key unset, as before
             kv["storage_quantization"] = quantization
+        if not window_aware:
+            kv["window_aware"] = False
         return BenchConfig(name, label or name, self.kvlayer_prefix_caching, kv)
 
     def close(self) -> None:

@@ -50,6 +50,8 @@ from kvlayer.benchmarks.configs import BASELINES, BenchConfig, add_config_argume
 from kvlayer.benchmarks.stats import crossover, ratio
 
 LAYERWISE = {"on": (True,), "off": (False,), "both": (True, False)}
+WINDOW_AWARE = LAYERWISE
+"""``--window-aware``: kvlayer's window-aware loads on a sliding-window model, full-KV loads, or both."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure each hit and load this many times and report the median")
     p.add_argument("--layerwise", choices=sorted(LAYERWISE), default="both",
                    help="kvlayer's layer-by-layer loading: on, off, or both compared")
+    p.add_argument("--window-aware", choices=sorted(WINDOW_AWARE), default="on",
+                   help="on a model with sliding windows (--model): kvlayer's window-aware loads, full-KV "
+                        "loads (off), or both compared")
     add_config_arguments(p)
     add_plot_argument(p)
 
@@ -78,9 +83,8 @@ def main(args: argparse.Namespace) -> int:
     with factory_from_args(args, names, kvlayer_prefix_caching=False) as factory:
         names = factory.available(names)
         kv_names = [n for n in names if n not in BASELINES]
-        both = len(LAYERWISE[args.layerwise]) > 1
-        variants = [factory.build(n, lw, f"{n} lw={'on' if lw else 'off'}" if both else n)
-                    for n in kv_names for lw in LAYERWISE[args.layerwise]]
+        variants = [factory.build(n, lw, _label(n, lw, wa, args), window_aware=wa)
+                    for n in kv_names for lw in LAYERWISE[args.layerwise] for wa in WINDOW_AWARE[args.window_aware]]
         baselines = {n: factory.build(n) for n in BASELINES}
         with progress(len(lengths) * (2 + len(variants)), "ttft") as advance:
             base = tm.measure_baselines(model, args.device, prompts, args.partial, max_len, baselines, advance,
@@ -94,6 +98,35 @@ def main(args: argparse.Namespace) -> int:
     write_json(args.json, record)
     plot(args.plot, record)
     return 0
+
+
+def _label(name: str, layerwise: bool, window_aware: bool, args: argparse.Namespace) -> str:
+    """``name``, with ``lw=``/``wa=`` where both modes of that setting run."""
+    label = name
+    if len(LAYERWISE[args.layerwise]) > 1:
+        label += f" lw={'on' if layerwise else 'off'}"
+    if len(WINDOW_AWARE[args.window_aware]) > 1:
+        label += f" wa={'on' if window_aware else 'off'}"
+    return label
+
+
+def windows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each configuration run window-aware and with full KV (same layerwise mode), per length:
+    both hits' TTFT and loaded KV bytes, and aware / full of each."""
+    pairs: dict[tuple[str, bool], dict[bool, dict[str, Any]]] = {}
+    for v in variants.values():
+        pairs.setdefault((v["config"], v["layerwise"]), {})[v["window_aware"]] = v
+    out = []
+    for (name, layerwise), pair in pairs.items():
+        if set(pair) != {True, False}:
+            continue
+        for aware, full in zip(pair[True]["by_length"], pair[False]["by_length"]):
+            out.append({"config": name, "layerwise": layerwise, "prefix": aware["prefix"],
+                        "aware_s": aware["hit_s"], "full_s": full["hit_s"], "ttft_ratio": ratio(aware["hit_s"],
+                                                                                                full["hit_s"]),
+                        "aware_bytes": aware["loaded_bytes"], "full_bytes": full["loaded_bytes"],
+                        "bytes_ratio": ratio(aware["loaded_bytes"], full["loaded_bytes"])})
+    return out
 
 
 def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[int], ceilings: dict[str, float],
@@ -126,6 +159,7 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
         cross = crossover(lengths, [base[n]["cold_s"] for n in lengths], [r["hit_s"] for r in rows])
         out_variants[v.label] = {"config": v.name, "base": v.base, "quantization": v.quantization,
                                  "layerwise": v.kv_config["layerwise"], "kv_config": v.public_kv_config(),
+                                 "window_aware": v.kv_config.get("window_aware", True),
                                  "stored": stored.to_json() if stored is not None else None,
                                  "stored_bytes_per_token": stored.bytes_per_token if stored is not None else None,
                                  "by_length": rows,
@@ -135,7 +169,7 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
             "settings": settings_of(args),
             "ceilings_gib_s": {k: v / 2**30 for k, v in ceilings.items()}, "lengths": lengths,
             "baselines": {str(n): b for n, b in base.items()}, "variants": out_variants,
-            "layerwise": overlap(out_variants, base)}
+            "layerwise": overlap(out_variants, base), "window_aware": windows(out_variants)}
 
 
 def overlap(variants: dict[str, dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -199,6 +233,13 @@ def report(record: dict[str, Any]) -> None:
                       o["ratio_max"], o["ratio_sum"]] for o in record["layerwise"]])
         print("lw/max = layerwise TTFT / max(load, suffix compute): 1.0 is perfect overlap; "
               "lw/sum = / (load + suffix): 1.0 is no overlap")
+    if record["window_aware"]:
+        print_table("sliding windows: window-aware loads against full-KV loads (hits)",
+                    ["config", "layerwise", "prefix", "aware s", "full s", "aware/full", "aware MiB", "full MiB",
+                     "bytes aware/full"],
+                    [[w["config"], w["layerwise"], w["prefix"], w["aware_s"], w["full_s"], w["ttft_ratio"],
+                      w["aware_bytes"] / 2**20, w["full_bytes"] / 2**20, w["bytes_ratio"]]
+                     for w in record["window_aware"]])
     ts.print_storage(record)
     print("crossover: the cached prefix length below which recomputing is cheaper than loading")
     for label, v in record["variants"].items():

@@ -139,13 +139,26 @@ def measure_baselines(model: str, device: str, prompts: list[Prompts], partial: 
     return out
 
 
-def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[str, int], int]:
-    """TTFT of ``prompt`` after ``isolate``, the tokens each tier served for it, and its greedy token."""
+def _hit(llm: Any, config: BenchConfig, prompt: list[int]) -> tuple[float, dict[str, int], int, int]:
+    """TTFT of ``prompt`` after ``isolate``, the tokens each tier served for it, its greedy token
+    and the KV bytes its load wrote into the engine's cache (``loaded_bytes``)."""
     isolate(llm, config)
-    before = tier_hit_tokens(llm.kv_stats())
+    stats = llm.kv_stats()
+    before, loaded = tier_hit_tokens(stats), stats["loaded_tokens"]
     t, token = first_token(llm, prompt)
-    after = tier_hit_tokens(llm.kv_stats())
-    return t, {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}, token
+    stats = llm.kv_stats()
+    after = tier_hit_tokens(stats)
+    moved = loaded_bytes(cache_engine(llm).layout, stats["loaded_tokens"], loaded)
+    return t, {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}, token, moved
+
+
+def loaded_bytes(layout: Any, after: dict[str, int], before: dict[str, int]) -> int:
+    """KV bytes loaded between two ``kv_stats()["loaded_tokens"]``: each window group's new tokens
+    times its layers' bytes per token (a window-aware load of a sliding-window model moves a
+    window layer's KV for the window only, ``kvlayer.windows``)."""
+    per_layer = layout.bytes_per_token // layout.num_layers
+    layers = {g.name: len(g.layers) for g in layout.window_groups}
+    return sum((n - before.get(g, 0)) * layers.get(g, layout.num_layers) * per_layer for g, n in after.items())
 
 
 class VariantRun(NamedTuple):
@@ -179,8 +192,10 @@ def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, parti
     tiers: dict[str, dict[str, int]] = {}
     tokens: dict[str, int] = {}
 
+    moved: dict[str, int] = {}
+
     def hit(prompt: list[int], case: str) -> float:
-        t, tiers[case], token = _hit(llm, config, prompt)
+        t, tiers[case], token, moved[case] = _hit(llm, config, prompt)
         tokens.setdefault(case, token)  # the first prompt's: partial(0), the one recompute ran
         return t
 
@@ -191,7 +206,7 @@ def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, parti
     cached = p.n // chunk * chunk
     row: dict[str, Any] = {"prefix": p.n, "cached": cached, "miss_s": ttft(llm, p.full)}
     row["hit_s"] = median_of(repeat, lambda _k: hit(p.full, "full"))
-    row["hit_tiers"], row["hit_token"] = tiers["full"], tokens["full"]
+    row["hit_tiers"], row["hit_token"], row["loaded_bytes"] = tiers["full"], tokens["full"], moved["full"]
     row["load_s"] = median_of(repeat, lambda _k: load(p.full[:cached]))
     if partial:
         half = row["partial_cached"] = p.n // 2 // chunk * chunk
