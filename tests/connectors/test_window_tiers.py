@@ -165,6 +165,7 @@ def test_a_hybrid_keeps_one_object_per_window_group(models, hf_greedy, tmp_path)
         assert ask(llm, PROMPT_IDS).num_external_tokens == 0
         second = ids(100, seed=12)
         ask(llm, second)
+        llm.engine.connector.flush_writes(30)  # NVMe writes run in the background
         hit = ask(llm, second)
         assert hit.num_external_tokens == 96 and hit.outputs[0].token_ids == hf_greedy("hybrid", second)
 

@@ -71,6 +71,14 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4, key: str | None =
         "return_token_ids": True, **extra})
 
 
+def router_metric(url: str, name: str) -> float:
+    """The value of the router's Prometheus sample ``name`` (with its labels), 0 when absent."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def holds(admin: AdminClient, tokens: list[int], name: str) -> int:
     """Leading tokens of ``tokens`` that instance ``name``'s own tiers hold, per the controller
     (0 while it is not registered)."""

@@ -9,19 +9,12 @@ import httpx
 
 from tests.controller.fleet import ControllerProcess
 from tests.controller.harness import wait_until
-from tests.router.conftest import complete, fleet, holds, random_ids
+from tests.router.conftest import complete, fleet, holds, random_ids, router_metric
 
 
 def up(router_url: str) -> list[str]:
     r = httpx.get(f"{router_url}/health", timeout=10)
     return r.json().get("instances", []) if r.status_code == 200 else []
-
-
-def router_metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_an_instance_killed_fails_no_request_that_had_not_started_streaming(model, tmp_path):
