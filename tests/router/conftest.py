@@ -79,6 +79,13 @@ def router_metric(url: str, name: str) -> float:
     return 0.0
 
 
+def wait_seen_idle(router_url: str, name: str) -> None:
+    """Wait until the router's last probe of instance ``name`` saw no request there: a report
+    taken while a test's direct request ran would otherwise outweigh that request's prefix."""
+    gauge = f'kvlayer_router_instance_load{{instance="{name}"}}'
+    wait_until(lambda: router_metric(router_url, gauge) == 0, what=f"the router saw {name} idle")
+
+
 def holds(admin: AdminClient, tokens: list[int], name: str) -> int:
     """Leading tokens of ``tokens`` that instance ``name``'s own tiers hold, per the controller
     (0 while it is not registered)."""

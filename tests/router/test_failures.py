@@ -9,7 +9,7 @@ import httpx
 
 from tests.controller.fleet import ControllerProcess
 from tests.controller.harness import wait_until
-from tests.router.conftest import complete, fleet, holds, random_ids, router_metric
+from tests.router.conftest import complete, fleet, holds, random_ids, router_metric, wait_seen_idle
 
 
 def up(router_url: str) -> list[str]:
@@ -68,6 +68,7 @@ def test_keys_and_the_controller_killed_and_restarted(model, tmp_path):
         prefix = random_ids(96, seed=12)
         assert complete(f["a"].url, prefix, key="sk-instance").status_code == 200
         wait_until(lambda: holds(f["admin"], prefix, "a") == 96, what="a registered the prefix")
+        wait_seen_idle(router, "a")
         assert complete(router, prefix + [1], key="sk-client").headers["x-kvlayer-instance"] == "a"
         controller.kill()
         for k in range(4):  # routed by load meanwhile: never failed for the controller's sake
@@ -81,6 +82,7 @@ def test_keys_and_the_controller_killed_and_restarted(model, tmp_path):
             fresh = random_ids(96, seed=13)
             assert complete(f["b"].url, fresh, key="sk-instance").status_code == 200
             wait_until(lambda: holds(f["admin"], fresh, "b") == 96, what="b registered a new prefix")
+            wait_seen_idle(router, "b")
             assert all(complete(router, fresh + [k], key="sk-client").headers["x-kvlayer-instance"] == "b"
                        for k in range(3)), "routing by prefix resumed"
         finally:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.controller.harness import wait_until
-from tests.router.conftest import complete, fleet, holds, random_ids, router_metric
+from tests.router.conftest import complete, fleet, holds, random_ids, wait_seen_idle
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,7 @@ def test_a_request_goes_to_the_instance_that_holds_its_prefix(two, holder, seed)
     direct = complete(two[holder].url, prefix)  # only `holder` computes (and stores) it
     assert direct.status_code == 200
     wait_until(lambda: holds(two["admin"], prefix, holder) == 160, what=f"{holder} registered the prefix")
-    # the router's last probe may still count the direct request: a stale load outweighs the hit
-    wait_until(lambda: router_metric(two["router"].url, f'kvlayer_router_instance_load{{instance="{holder}"}}') == 0,
-               what=f"the router saw {holder} idle")
+    wait_seen_idle(two["router"].url, holder)
     for k in range(3):
         answer = complete(two["router"].url, prefix + [7, k])
         assert answer.status_code == 200, answer.text
