@@ -19,7 +19,7 @@ every group's object of each chunk (saves store them all: any chunk may end a la
 
 Tokens of a window-aware load before ``Found.all_layers_from`` hold the full layers' KV only (or
 none, for a window-only model): the engine must not offer their blocks to other requests, and
-the connector must not save them again (``KVConnectorBase.kv_complete_from``).
+the connector must not save them again (``KVConnectorBase.get_kv_complete_from``).
 """
 
 from __future__ import annotations
