@@ -154,8 +154,8 @@ class NvmeBackend(StorageBackend):
         """
         check_batch(keys, chunks, self._layout)
         await self._ready()
-        # The writes go on if the caller stops waiting (a deadline): a write cancelled half way
-        # would leak what aiofiles had opened. They hold references of their own meanwhile.
+        # The writes go on if the caller stops waiting (a deadline): their threads read the
+        # chunks, so they hold references of their own meanwhile.
         held = [c.ref() for c in chunks]
         task = asyncio.ensure_future(self._put_all(keys, held))
         self._writes.add(task)
@@ -282,9 +282,8 @@ class NvmeBackend(StorageBackend):
 
     async def _write(self, key: ChunkKey, chunk: MemoryObj) -> None:
         tensor = chunk.tensor if chunk.tensor.device.type == "cpu" else chunk.tensor.cpu()
-        header, payload = await asyncio.to_thread(serde.encode_chunk, key, tensor, self._compression,
-                                                  self._quantization)
-        size = len(header) + len(payload)
+        # a raw chunk is encoded (checksummed) and written in one worker-thread hop
+        size, parts = await nvme_files.chunk_parts(key, tensor, self._compression, self._quantization)
         path = nvme_files.chunk_path(self.root, key.digest, key.start)
         victims = await self._reserve(size)
         if victims is None:
@@ -292,7 +291,7 @@ class NvmeBackend(StorageBackend):
             return
         self._delete(victims)
         try:
-            await nvme_files.write_file(path, (header, payload), self._fsync)
+            await nvme_files.write_file(path, parts, self._fsync)
         except OSError as e:
             self._fault("write_errors", path, e)
             return

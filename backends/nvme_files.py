@@ -5,9 +5,10 @@ the key digest in hex and ``start`` the chunk's first token position. The chunk 
 (``kvlayer.serde``) carries the key but not ``start``, which the eviction policy wants back
 after a restart, so the name keeps it.
 
-A file is written with aiofiles to ``.tmp-<random>`` in its final folder and renamed into
-place with ``os.replace``: a crash leaves at most a temporary file (removed by the next
-``scan``), never a half chunk under a real name. Only ``.kvc`` and ``.tmp-*`` files are ever deleted;
+A file is written to ``.tmp-<random>`` in its final folder with plain ``os`` calls (encoded,
+its blocks reserved and written on one worker thread, ``write_file``) and renamed into place
+with ``os.replace``: a crash leaves at most a temporary file (removed by the next ``scan``),
+never a half chunk under a real name. Only ``.kvc`` and ``.tmp-*`` files are ever deleted;
 anything else under the root is left alone.
 """
 
@@ -15,14 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
+import functools
 import os
 import re
 import secrets
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import aiofiles
-import aiofiles.os
 import torch
 import xxhash
 
@@ -31,6 +34,8 @@ from kvlayer.keys import ChunkKey
 
 CHUNK_SUFFIX = ".kvc"
 TEMP_PREFIX = ".tmp-"
+IOV_MAX = 1024
+"""The most buffers one ``preadv``/``writev`` takes (Linux's ``UIO_MAXIOV``); more go in turns."""
 _NAME = re.compile(r"^([0-9a-f]{8,})-([0-9]+)\.kvc$")
 
 
@@ -127,29 +132,53 @@ def _check_file(path: str, digest: bytes, start: int) -> FoundChunk | None:
     return FoundChunk(digest, path, st.st_size, start, st.st_mtime_ns)
 
 
-async def write_parts(f: aiofiles.threadpool.binary.AsyncBufferedIOBase,
-                      parts: Sequence[bytes | memoryview]) -> None:
-    """Write ``parts`` back to back to an open file (the seam tests inject faults at)."""
-    for part in parts:
-        await f.write(part)
+Parts = Sequence[bytes | memoryview]
+"""A file's contents as pieces written back to back (a chunk: its header, then its payload)."""
 
 
-async def write_file(path: str, parts: Sequence[bytes | memoryview], fsync: bool) -> None:
-    """Atomically create ``path`` holding ``parts``, through a temporary file and a rename.
+async def chunk_parts(key: ChunkKey, tensor: torch.Tensor, compression: str,
+                      quantization: str) -> tuple[int, Parts | Callable[[], Parts]]:
+    """``(file size, parts)`` of ``key``'s chunk file for the host chunk ``tensor``, for ``write_file``:
+    a raw chunk's parts are ``serde.encode_chunk`` left to the writer's thread (its checksum is a
+    pass over the payload); others are encoded now on a worker thread (ValueError as there)."""
+    if compression == "none" and quantization == "none":
+        size = serde.HEADER_SIZE + tensor.numel() * tensor.element_size()
+        return size, functools.partial(serde.encode_chunk, key, tensor)
+    header, payload = await asyncio.to_thread(serde.encode_chunk, key, tensor, compression, quantization)
+    return len(header) + len(payload), (header, payload)
 
-    With ``fsync`` the file and then its folder are flushed to the device before returning.
-    On any error (ENOSPC, EROFS, EACCES, cancellation) the temporary file is removed and the
-    error propagates; ``path`` is then untouched.
-    """
+
+def write_parts(fd: int, parts: Parts) -> None:
+    """Write ``parts`` back to back to the open file ``fd`` (``os.writev``, resumed after a short
+    write): the seam tests inject faults at. OSError as the writes raise it. Blocking."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        n = os.writev(fd, views[:IOV_MAX])
+        if n == 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
+
+
+async def write_file(path: str, parts: Parts | Callable[[], Parts], fsync: bool) -> None:
+    """Atomically create ``path`` holding ``parts`` (or what ``parts()`` returns, called on the
+    writer's thread), through a temporary file (``write_temp``, one worker-thread hop) renamed on
+    this loop; with ``fsync`` the folder is flushed next, on a second hop. On any error (ENOSPC,
+    EROFS, EACCES, an encoding's ValueError, cancellation) the temporary file is removed and the
+    error propagates; ``path`` is then untouched. Cancelled, it waits for its thread to end
+    before it raises: the thread reads the caller's memory."""
     folder = os.path.dirname(path)
-    await aiofiles.os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, TEMP_PREFIX + secrets.token_hex(8))
+    fut = asyncio.get_running_loop().run_in_executor(None, write_temp, folder, parts, fsync)
     try:
-        async with aiofiles.open(tmp, "xb") as f:
-            await write_parts(f, parts)
-            await f.flush()
-            if fsync:
-                await asyncio.to_thread(os.fsync, f.fileno())
+        tmp = await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # whatever becomes of this task, the file the thread leaves goes
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() or unlink_quietly(f.result()))
+        await asyncio.wait([fut])
+        raise
+    try:
         # Synchronous on purpose: a rename is one quick metadata call, and doing it inline
         # means a cancellation can never land between "renamed" and "known to be renamed".
         os.replace(tmp, path)
@@ -158,6 +187,49 @@ async def write_file(path: str, parts: Sequence[bytes | memoryview], fsync: bool
         raise
     if fsync:
         await asyncio.to_thread(_fsync_dir, folder)
+
+
+def write_temp(folder: str, parts: Parts | Callable[[], Parts], fsync: bool) -> str:
+    """The path of a new temporary file in ``folder`` (made if missing) holding ``parts`` (or ``parts()``),
+    flushed with ``fsync``, closed; on any error none is left. Blocking: run it in a worker thread."""
+    pieces = parts() if callable(parts) else parts
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, TEMP_PREFIX + secrets.token_hex(8))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            _preallocate(fd, sum(memoryview(p).nbytes for p in pieces))
+            write_parts(fd, pieces)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    return tmp
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the new file's blocks (Linux ``fallocate``; not ``os.posix_fallocate``, whose fallback
+    writes a byte per block): 8 files of 6 MiB on ext4, 2 cores, took 17 ms instead of 21.5 on one
+    thread, 10.2 instead of 12.3 on two. OSError where there is no room; else nothing if it fails."""
+    fallocate = _fallocate()
+    failed = fallocate is not None and size and fallocate(fd, 0, 0, size) != 0
+    if failed and (err := ctypes.get_errno()) in (errno.ENOSPC, errno.EDQUOT):
+        raise OSError(err, os.strerror(err))
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``fallocate`` (called without the GIL), or None off Linux or where libc lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64), ctypes.c_int
+    return fn
 
 
 def _fsync_dir(folder: str) -> None:

@@ -128,10 +128,11 @@ class KVCacheEngine:
         need = -(-keys[-1].end // self.layout.copy_unit)
         if len(slot_mapping) < need:
             raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens (needs {need})")
+        # on the caller's thread with nothing computing beside it: the gather may share its chunks
+        # among as many threads as torch uses
         job = SaveJob(self.tiers, self.chunk_staging, [SaveItem("store", tuple(save_keys(self.layout, keys)),
-                                                                slot_mapping)])
-        for layer, cache in enumerate(kv_caches):
-            job.layer(layer, cache)
+                                                                slot_mapping)], threads=torch.get_num_threads())
+        job.gather_all(kv_caches)
         wait_for_copies(slot_mapping.device)
         staged = len(job)
         job.finish()

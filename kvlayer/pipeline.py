@@ -85,9 +85,11 @@ class LoadJob:
     """One step's loads; see the module docstring.
 
     Reads go through ``tiers`` into ``staging`` chunks, layer ``groups`` at a time (see
-    ``kvlayer.read_plan``). ``executor`` None: everything is loaded before the constructor
-    returns. ``stream``: the CUDA stream to copy on (None off CUDA). Call ``wait_layer`` for
-    each layer before using it and ``failures`` once after the forward pass.
+    ``kvlayer.read_plan``) where a layer is used as soon as it is in (beside compute, or on
+    CUDA); a whole load on the CPU reads each chunk whole. ``executor`` None: everything is
+    loaded before the constructor returns. ``stream``: the CUDA stream to copy on (None off
+    CUDA). Call ``wait_layer`` for each layer before using it and ``failures`` once after the
+    forward pass.
     """
 
     def __init__(self, tiers: TierManager, staging: Staging, groups: LayerGroups, caches: Sequence[torch.Tensor],
@@ -128,7 +130,10 @@ class LoadJob:
         reads: ChunkReads | None = None
         try:
             plans = [item.plan() for item in self._items]
-            reads = ChunkReads.open(self._tiers, plans, self._staging, self._groups)
+            # a whole load on the CPU reads each file whole: per layer group, the hand-offs to the
+            # read threads cost more than the scatter gains by starting early (docs/benchmarks.md)
+            groups = self._groups if self._beside_compute or self._events else [(0, len(self._caches))]
+            reads = ChunkReads.open(self._tiers, plans, self._staging, groups)
             # a load on the caller's thread has the CPU to itself: its scatter may use torch's threads
             pieces = [piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
                       for piece in _pieces(self._staging.layout, item, plan.keys, chunks)]
@@ -163,16 +168,19 @@ class LoadJob:
 
 class SaveJob:
     """One step's saves; see the module docstring. Stages the chunks at construction; call
-    ``layer`` for every layer (in any order), then ``finish`` exactly once.
+    ``layer`` for every layer (in any order) or ``gather_all`` once, then ``finish`` exactly once.
 
     Each item's chunks after the leading ones the tiers hold already (one presence check for
     all items) get memory of the top memory tier (``TierManager.reserve``) or else a ``staging``
     chunk, up to the first that gets neither; ``finish`` hands them to ``tiers`` (the top
     memory tier now, adopting its own memory without a copy; the others in the background).
+    ``threads``: how many threads ``gather_all`` may share the chunks among on the CPU (the
+    caller's included; ``CopyPlan``): more than 1 only where nothing computes meanwhile. ``layer``
+    always copies on the caller's thread alone, as it runs beside the forward pass.
     """
 
     def __init__(self, tiers: TierManager, staging: Staging, items: Sequence[SaveItem],
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, threads: int = 1) -> None:
         self._tiers = tiers
         self._stream = stream
         self._chunks: list[tuple[str, ChunkKey, MemoryObj, torch.Tensor]] = []
@@ -191,7 +199,7 @@ class SaveJob:
             unit = staging.layout.copy_unit
             self._chunks.append((item.request_id, key, obj, item.slots[key.start // unit : -(-key.end // unit)]))
         self._copies = CopyPlan([(staging.layout.chunk_view(obj.tensor), slots) for _, _, obj, slots in self._chunks],
-                                layers=[key.layers for _, key, _, _ in self._chunks])
+                                threads=threads, layers=[key.layers for _, key, _, _ in self._chunks])
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -202,6 +210,14 @@ class SaveJob:
             return
         with _on(self._stream, _record(self._stream)):
             self._copies.gather_layer(layer, cache)
+
+    def gather_all(self, caches: Sequence[torch.Tensor]) -> None:
+        """Copy every layer of every staged chunk out of ``caches`` (one per layer) in one call:
+        on the CPU shared among the job's ``threads``, each running through all layers."""
+        if not self._chunks:
+            return
+        with _on(self._stream, _record(self._stream)):
+            self._copies.gather(caches)
 
     def finish(self, failed: dict[str, int] | None = None) -> None:
         """Wait for the copies, then store the chunks, except those of a request in ``failed``

@@ -7,7 +7,7 @@ Run: ``.venv/bin/python -m pytest tests/backends/test_nvme_faults.py``.
 
 from __future__ import annotations
 
-import asyncio
+import ctypes
 import errno
 import logging
 import os
@@ -18,8 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiofiles
-import aiofiles.os
 import pytest
 import torch
 
@@ -138,31 +136,38 @@ def test_eio_on_read_is_a_miss_logged_once(tmp_path: Path, monkeypatch: pytest.M
     run(scenario())
 
 
-async def _write_then_fill_the_disk(f: Any, parts: Any) -> None:
-    await f.write(parts[0])
+def _write_then_fill_the_disk(fd: int, parts: Any) -> None:
+    os.write(fd, parts[0])
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def _refuse_write_opens(code: int) -> Callable[..., Any]:
-    real_open = aiofiles.open
+    real_open = os.open
 
-    def fake_open(path: str, mode: str = "r", *args: Any, **kw: Any) -> Any:
-        if "r" not in mode:
+    def fake_open(path: str, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):
             raise OSError(code, os.strerror(code), path)
-        return real_open(path, mode, *args, **kw)
+        return real_open(path, flags, *args, **kw)
 
     return fake_open
 
 
-async def _refuse_mkdir(path: str, *args: Any, **kw: Any) -> None:
+def _refuse_mkdir(path: str, *args: Any, **kw: Any) -> None:
     raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
 
 
-WRITE_FAULTS: dict[str, tuple[Any, str, Any]] = {
+def _no_room(fd: int, mode: int, offset: int, length: int) -> int:
+    """libc's ``fallocate`` on a full disk: -1, errno ENOSPC."""
+    ctypes.set_errno(errno.ENOSPC)
+    return -1
+
+
+WRITE_FAULTS: dict[str, tuple[Any, str, Any]] = {  # nvme_files.os is the os module: the faults hit the real calls
     "ENOSPC mid-write": (nvme_files, "write_parts", _write_then_fill_the_disk),
-    "EACCES at open": (aiofiles, "open", _refuse_write_opens(errno.EACCES)),
-    "EROFS at open": (aiofiles, "open", _refuse_write_opens(errno.EROFS)),
-    "EROFS at mkdir": (aiofiles.os, "makedirs", _refuse_mkdir),
+    "EACCES at open": (nvme_files.os, "open", _refuse_write_opens(errno.EACCES)),
+    "EROFS at open": (nvme_files.os, "open", _refuse_write_opens(errno.EROFS)),
+    "EROFS at mkdir": (nvme_files.os, "makedirs", _refuse_mkdir),
+    "ENOSPC at preallocation": (nvme_files, "_fallocate", lambda: _no_room),
 }
 
 
@@ -254,12 +259,12 @@ BIG_CHUNK = 64  # 1 MiB chunks
 BIG_KEYS = 300
 
 
-async def _write_slowly(f: Any, parts: Any) -> None:
+def _write_slowly(fd: int, parts: Any) -> None:
     for part in parts:
         view = memoryview(part).cast("B")
         for i in range(0, len(view), 1 << 16):
-            await f.write(view[i : i + (1 << 16)])
-            await asyncio.sleep(0.001)
+            os.write(fd, view[i : i + (1 << 16)])
+            time.sleep(0.001)
 
 
 async def write_forever(root: str) -> None:

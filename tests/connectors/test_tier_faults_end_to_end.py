@@ -139,8 +139,8 @@ def test_frozen_redis_costs_deadlines_not_a_hang(tiny_model_dir: str, baseline: 
 
 
 # --- NVMe -------------------------------------------------------------------------------------
-async def _disk_full(f: Any, parts: Any) -> None:
-    await f.write(parts[0][:100])
+def _disk_full(fd: int, parts: Any) -> None:
+    os.write(fd, parts[0][:100])
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 

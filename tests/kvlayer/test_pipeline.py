@@ -202,3 +202,31 @@ def test_opaque_blocks_round_trip_whole_blocks(tmp_path):
         for s, d in zip(src, dst):
             assert torch.equal(d[back[2:]], s[ids[2:]]), "every block after the start, whole"
             assert not d[back[:2]].any(), "the blocks before start are the engine's own"
+
+
+@pytest.mark.parametrize("beside_compute", [True, False])
+def test_a_whole_cpu_load_reads_each_file_whole(beside_compute, executor, tmp_path, monkeypatch):
+    """Layer groups are read one at a time only where a layer is used as soon as it is in (a load
+    beside compute); a load nobody waits on per layer reads each NVMe file in one range."""
+    from kvlayer.backends.nvme import NvmeBackend
+
+    seen = []
+    real = NvmeBackend.read_layers
+
+    async def spy(self, keys, outs, groups, on_group):
+        seen.append(list(groups))
+        return await real(self, keys, outs, groups, on_group)
+
+    monkeypatch.setattr(NvmeBackend, "read_layers", spy)
+    config = {"chunk_size": 8, "cpu_capacity": 0, "nvme_path": str(tmp_path), "nvme_capacity": "1MiB"}
+    with KVCacheEngine(config, LAYOUT, model_name="m", model_fingerprint="f") as kv:
+        tokens, src, slots = list(range(24)), caches(), slots_for(24, 21)
+        kv.store(tokens, src, slots)
+        kv.flush()
+        dst = caches(fill=False)
+        groups = [(0, 1), (1, 3)]
+        job = LoadJob(kv.tiers, kv.chunk_staging, groups, dst, [item(kv, "r", kv.keys(tokens), slots, 0, 24)],
+                      executor if beside_compute else None)
+        assert job.failures() == {}
+        assert torch.equal(kv_at(dst, slots), kv_at(src, slots))
+    assert seen == [groups if beside_compute else [(0, LAYOUT.num_layers)]]
