@@ -56,7 +56,13 @@ def test_configuration_lists_every_key():
         assert f"| `{f.name}` | `KVLAYER_{f.name.upper()}` |" in text, f"docs/configuration.md lacks {f.name}"
 
 
-@pytest.mark.parametrize("doc", [p for p in DOCS if bash_blocks(p)], ids=lambda p: p.name)
+SLOW_DOCS = {"benchmarks.md"}
+"""Docs whose commands take minutes even at smoke scale (benchmarks.md: 110 s on 2 cores), run
+with ``-m slow``; each command there also has its own smoke test under tests/benchmarks."""
+
+
+@pytest.mark.parametrize("doc", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_DOCS else p
+                                 for p in DOCS if bash_blocks(p)], ids=lambda p: p.name)
 def test_every_command_in_the_docs_runs(doc: Path, tmp_path: Path):
     ports = {"127.0.0.1:50051": free_port(), "127.0.0.1:8000": free_port(),  # controller, kvlayer serve,
              "127.0.0.1:8080": free_port()}  # kvlayer router

@@ -302,8 +302,10 @@ def test_vllms_prefix_cache_first_kvlayer_for_what_it_misses(baseline, llama, wo
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"cpu_capacity": "12XB"}, "cpu_capacity"),
-    ({"no_such_key": 1}, "unknown kvlayer config key 'no_such_key'"),
-    ({"chunk_size": 48}, "chunk_size 48 must be a multiple of vLLM's block_size 32"),
+    # each case starts an engine (20 s on 2 cores): CI keeps one, -m slow runs the others
+    pytest.param({"no_such_key": 1}, "unknown kvlayer config key 'no_such_key'", marks=pytest.mark.slow),
+    pytest.param({"chunk_size": 48}, "chunk_size 48 must be a multiple of vLLM's block_size 32",
+                 marks=pytest.mark.slow),
 ])
 def test_a_bad_extra_config_stops_the_start_up_with_kvlayers_message(llama, work, extra, message) -> None:
     run = drive({"model": llama, "kvlayer": extra, "rounds": []}, work)
