@@ -241,14 +241,16 @@ def read_files_run(paths: Callable[[], Sequence[str]], buf: memoryview) -> Run:
 
 
 def write_files_runs(folder: str, sizes: Sequence[int]) -> tuple[Run, Run]:
-    """``(write, clear)``: write one new file per size under ``folder`` (no fsync), delete them."""
-    datas = {size: os.urandom(size) for size in set(sizes)}
+    """``(write, clear)``: write one new file per size under ``folder`` (no fsync), delete them.
+    Each file gets bytes of its own, as the tier's do: one buffer written again and again would
+    be read from the CPU's cache, which no store of distinct chunks can do."""
+    datas = [os.urandom(size) for size in sizes]
     paths = [os.path.join(folder, f"{i}.bin") for i in range(len(sizes))]
 
     def write() -> None:
-        for p, size in zip(paths, sizes):
+        for p, data in zip(paths, datas):
             with open(p, "wb", buffering=0) as f:
-                f.write(datas[size])
+                f.write(data)
 
     def clear() -> None:
         for p in paths:
@@ -271,14 +273,15 @@ def redis_get_run(client: redis.Redis, names: Sequence[bytes]) -> Run:
 
 
 def redis_set_runs(client: redis.Redis, sizes: Sequence[int], prefix: str) -> tuple[Run, Run]:
-    """``(set, clear)``: one pipeline of ``SET``s of random values of ``sizes`` under ``prefix``, delete them."""
-    datas = {size: os.urandom(size) for size in set(sizes)}
+    """``(set, clear)``: one pipeline of ``SET``s of random values of ``sizes`` under ``prefix``
+    (a value of its own each, as in ``write_files_runs``), delete them."""
+    datas = [os.urandom(size) for size in sizes]
     names = [f"{prefix}:{i}" for i in range(len(sizes))]
 
     def put() -> None:
         pipe = client.pipeline(transaction=False)
-        for n, size in zip(names, sizes):
-            pipe.set(n, datas[size])
+        for n, data in zip(names, datas):
+            pipe.set(n, data)
         pipe.execute()
 
     def clear() -> None:

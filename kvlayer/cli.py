@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "engine", "engine_bench", "prefill and decode throughput vs transformers", home)
     _add_bench(bench, "ttft", "ttft", "time to first token: recompute vs each kvlayer tier", home)
     _add_bench(bench, "tiers", "tiers", "get/put throughput of each tier vs its raw ceiling", home)
+    _add_bench(bench, "bounds", "tier_bounds", "the steps bench tiers's engine rows cannot skip, and the best "
+                                               "ratio they allow", home)
     _add_bench(bench, "multi-round-qa", "multi_round_qa", "chat users over a working set > the engine's KV", home)
     _add_bench(bench, "long-doc-qa", "long_doc_qa", "documents queried again, hits from the lower tiers", home)
     _add_bench(bench, "miss-overhead", "miss_overhead", "kvlayer's TTFT overhead when nothing ever hits", home)
@@ -225,6 +227,7 @@ SMOKE: dict[str, list[str]] = {
                     "--answer-tokens", "2", "--chunk-size", "64"],
     "engine": ["--lengths", "64", "--decode-seqs", "2", "--decode-prompt", "32", "--decode-tokens", "4"],
     "miss-overhead": ["--length", "64", "--rounds", "2", "--chunk-size", "32"],
+    "bounds": ["--preset", "tiny", "--tokens", "256", "--chunk-tokens", "64", "--repeat", "1"],
     "fleet": ["--users", "3", "--rounds", "3", "--system-tokens", "32", "--history-tokens", "96",
               "--question-tokens", "8", "--answer-tokens", "4", "--chunk-size", "16", "--rate", "4",
               "--policies", "kv", "--no-pd"],
