@@ -18,7 +18,8 @@ kept:
 - ``nvme retrieve`` (warm: the files in the page cache): ``read``, ``preadv`` of each chunk
   file's payload into a chunk buffer; ``checksum``, xxh3 of each payload; ``scatter_1``.
 - ``nvme store``: ``gather_1``, one ``index_select`` per chunk and layer into chunk buffers, one
-  thread; ``checksum``; ``write``, one new file per chunk (no fsync, like the tier).
+  thread; ``checksum``; ``write``, one new file per chunk (no fsync, like the tier): the
+  ceiling itself, whose run it is.
 
 For the nvme rows the floor is ``max(longest step, sum of steps / threads)``: the steps spread
 perfectly over torch's threads, as if they cost no coordination and memory bandwidth grew with
@@ -68,8 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Measure, print the table, write ``--json``; 0 on success."""
-    import dataclasses
-
     import torch
 
     from kvlayer.benchmarks.tier_engine import PagedSequence
@@ -79,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     spec = PRESETS[args.preset]
     chunk = min(args.chunk_tokens, args.tokens)
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, BLOCK_SIZE)
-    seq = PagedSequence.random(dataclasses.replace(layout, block_size=BLOCK_SIZE), args.tokens // chunk * chunk)
+    seq = PagedSequence.random(layout, args.tokens // chunk * chunk)
     Path(args.home).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bounds-", dir=args.nvme_path or args.home) as folder, \
             progress(2, "bench bounds") as advance:
@@ -170,11 +169,12 @@ def _nvme_rows(seq: Any, chunk: int, repeat: int, folder: str) -> list[dict[str,
             "get_ceiling": (read_files_run(files, whole), None), "get_ours": (_retrieve(engine, seq), None),
             "read": (read, None), "checksum": (checksum, None), "scatter_1": (lambda: scatter.scatter(seq.dst), None),
             "put_ceiling": (write, clear), "put_ours": (lambda: _store(engine, seq), engine.evict_all),
-            "gather_1": (lambda: gather.gather(seq.src), None), "write": (write, clear)}
+            "gather_1": (lambda: gather.gather(seq.src), None)}
         times = _medians(alternated_times(runs, repeat))
         clear()
     get = {"ours": times["get_ours"], **{k: times[k] for k in ("read", "checksum", "scatter_1")}}
-    put = {"ours": times["put_ours"], **{k: times[k] for k in ("gather_1", "checksum", "write")}}
+    put = {"ours": times["put_ours"], "gather_1": times["gather_1"], "checksum": times["checksum"],
+           "write": times["put_ceiling"]}
     return [_row("nvme", "retrieve", times["get_ceiling"], get, ["read", "checksum", "scatter_1"],
                  _spread(get, ["read", "checksum", "scatter_1"], threads), {"reads": "warm"}),
             _row("nvme", "store", times["put_ceiling"], put, ["gather_1", "checksum", "write"],
