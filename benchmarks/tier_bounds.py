@@ -153,7 +153,8 @@ def _nvme_rows(seq: Any, chunk: int, repeat: int, folder: str) -> list[dict[str,
             for path, view in zip(files(), views):
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    os.preadv(fd, [view], HEADER_SIZE)
+                    if os.preadv(fd, [view], HEADER_SIZE) != len(view):
+                        raise RuntimeError(f"{path} is shorter than a raw chunk")
                 finally:
                     os.close(fd)
 
