@@ -136,7 +136,7 @@ def _nvme_rows(seq: Any, chunk: int, repeat: int, folder: str) -> list[dict[str,
     buffers, slots = _chunk_buffers(seq, chunk)
     pieces = list(zip(buffers, slots))
     views = [memoryview(b.view(-1).view(torch.uint8).numpy()) for b in buffers]
-    scatter, gather = CopyPlan(pieces), CopyPlan(pieces)
+    plan = CopyPlan(pieces)  # one thread, both ways
     config = engine_config("nvme", seq.layout, chunk, seq.nbytes, folder, None)
     with KVCacheEngine(config, seq.layout, model_name="bench-bounds") as engine:
         engine.store(seq.token_ids, seq.src, seq.slots)
@@ -168,9 +168,9 @@ def _nvme_rows(seq: Any, chunk: int, repeat: int, folder: str) -> list[dict[str,
         drop_page_cache(files())  # the warm-up round reads them back in
         runs: dict[str, tuple[Run, Run | None]] = {
             "get_ceiling": (read_files_run(files, whole), None), "get_ours": (_retrieve(engine, seq), None),
-            "read": (read, None), "checksum": (checksum, None), "scatter_1": (lambda: scatter.scatter(seq.dst), None),
+            "read": (read, None), "checksum": (checksum, None), "scatter_1": (lambda: plan.scatter(seq.dst), None),
             "put_ceiling": (write, clear), "put_ours": (lambda: _store(engine, seq), engine.evict_all),
-            "gather_1": (lambda: gather.gather(seq.src), None)}
+            "gather_1": (lambda: plan.gather(seq.src), None)}
         times = _medians(alternated_times(runs, repeat))
         clear()
     get = {"ours": times["get_ours"], **{k: times[k] for k in ("read", "checksum", "scatter_1")}}

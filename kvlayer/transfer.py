@@ -285,15 +285,8 @@ class CopyPlan:
                     before(layer)
                 self.scatter_layer(layer, cache)
             return
-        share = len(helpers) + 1  # piece i goes to worker i % share, this thread being worker 0
         wide = cast(list[torch.Tensor], dsts)
-        futures = [pool.submit(self._scatter_share, caches, wide, range(k + 1, len(self._slots), share), before)
-                   for k, pool in enumerate(helpers)]
-        try:
-            self._scatter_share(caches, wide, range(0, len(self._slots), share), before)
-        finally:
-            for future in futures:
-                future.result()
+        _shared(helpers, len(self._slots), lambda share: self._scatter_share(caches, wide, share, before))
 
     def gather(self, caches: Sequence[torch.Tensor]) -> None:
         """Every layer of every piece from ``caches`` (one per layer; Triton: one launch per piece).
@@ -305,15 +298,20 @@ class CopyPlan:
             for chunk, slots, ids in zip(self._chunks, self._slots, self._ids):
                 gather([caches[i] for i in ids], slots, chunk, use_triton=True)
             return
-        helpers = self._gather_helpers(caches)
-        share = len(helpers) + 1  # this thread is worker 0
-        futures = [pool.submit(self._gather_share, caches, range(k + 1, len(self._slots), share))
-                   for k, pool in enumerate(helpers)]
-        try:
-            self._gather_share(caches, range(0, len(self._slots), share))
-        finally:
-            for future in futures:
-                future.result()
+        _shared(self._gather_helpers(caches), len(self._slots), lambda share: self._gather_share(caches, share))
+
+
+def _shared(helpers: Sequence[ThreadPoolExecutor], count: int, work: Callable[[range], object]) -> None:
+    """``work(share)`` for each worker's share of ``count`` pieces: piece i to worker
+    i % (len(helpers) + 1), this thread being worker 0 and each helper the next; returns once
+    every share is done (an error of any share propagates, after the others have ended)."""
+    step = len(helpers) + 1
+    futures = [pool.submit(work, range(k + 1, count, step)) for k, pool in enumerate(helpers)]
+    try:
+        work(range(0, count, step))
+    finally:
+        for future in futures:
+            future.result()
 
 
 _ONE_THREAD_BYTES = 32768 * 16
