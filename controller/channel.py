@@ -18,6 +18,12 @@ import grpc
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """What a client accepts from the controller (the server bounds what it accepts itself)."""
 
+RECONNECT_BACKOFF_MS = (500, 2000)
+"""A channel's first and longest wait between attempts to reach a controller that is away.
+gRPC's own longest is 120 s and its waits grow with the outage: a client that lived through a
+30 s outage measured 11.7 s more of failed calls after the controller was back (with 2 s,
+0.2 s). An attempt on a loopback or LAN address costs next to nothing."""
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -31,9 +37,12 @@ class Target:
     server_name: str | None = None
 
     def options(self) -> list[tuple[str, Any]]:
-        """Channel options: message size limits and the TLS name override."""
+        """Channel options: message size limits, reconnect backoff and the TLS name override."""
         opts: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                       ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                                       ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                                       ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
         return opts

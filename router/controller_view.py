@@ -45,6 +45,11 @@ class ControllerView:
         self.failures = 0
         self._down = False
 
+    @property
+    def answering(self) -> bool:
+        """False from a call the controller did not answer (down, slow or refusing) until one it did."""
+        return not self._down
+
     async def instances(self) -> list[pb.InstanceInfo] | None:
         """Every instance the controller knows (any state), or None when it cannot answer."""
         try:

@@ -17,6 +17,10 @@ def up(router_url: str) -> list[str]:
     return r.json().get("instances", []) if r.status_code == 200 else []
 
 
+def controller_state(router_url: str) -> str:
+    return httpx.get(f"{router_url}/health", timeout=10).json()["controller"]
+
+
 def test_an_instance_killed_fails_no_request_that_had_not_started_streaming(model, tmp_path):
     with fleet(model, tmp_path, router_args=("--load-cost", "10")) as f:  # the prefix outweighs b's stream
         router, prefix = f["router"].url, random_ids(96, seed=11)
@@ -75,10 +79,13 @@ def test_keys_and_the_controller_killed_and_restarted(model, tmp_path):
             answer = complete(router, prefix + [k], key="sk-client")
             assert answer.status_code == 200, answer.text
         assert router_metric(router, "kvlayer_router_lookup_failures_total") >= 4
+        assert controller_state(router) == "unreachable" and up(router) == ["a", "b"], "still healthy, by load"
         again = ControllerProcess(tmp_path, ["--heartbeat-interval", "0.2"], port=controller.port)
         try:
             wait_until(lambda: holds(f["admin"], prefix, "a") == 96 and holds(f["admin"], prefix, "b") == 96,
                        what="the registry rebuilt from both snapshots", timeout=60)  # b stored it meanwhile
+            # the router's channel waits at most 2 s between attempts, and its fleet poll then succeeds
+            wait_until(lambda: controller_state(router) == "ok", what="the router reached the controller", timeout=10)
             fresh = random_ids(96, seed=13)
             assert complete(f["b"].url, fresh, key="sk-instance").status_code == 200
             wait_until(lambda: holds(f["admin"], fresh, "b") == 96, what="b registered a new prefix")
