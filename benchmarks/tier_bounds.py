@@ -11,20 +11,26 @@ kept:
 
 - ``cpu retrieve``: ``scatter_1``, one ``index_copy_`` per chunk and layer from chunk buffers,
   one thread; ``scatter_n``, the same shared among torch's threads (``CopyPlan``, as
-  ``retrieve`` runs it). Nothing else need be done: the floor is the faster of the two.
-  ``retrieve`` minus ``scatter_n`` is the op's fixed cost (keys, lookup, the I/O loop, the
-  plan) where no OpenMP worker spins beside it; ``retrieve`` runs right after the ceiling's
-  parallel copies, as it would after an engine's forward pass, and its scatter is slowed there.
+  ``retrieve`` runs it); ``keys``, hashing the tokens into chunk keys. Nothing else need be
+  done: the floor is the faster scatter plus the keys. ``retrieve`` minus ``scatter_n`` is the
+  op's fixed cost (keys, lookup, the I/O loop, the plan) where no OpenMP worker spins beside
+  it; ``retrieve`` runs right after the ceiling's parallel copies, as it would after an
+  engine's forward pass, and its scatter is slowed there.
 - ``nvme retrieve`` (warm: the files in the page cache): ``read``, ``preadv`` of each chunk
   file's payload into a chunk buffer; ``checksum``, xxh3 of each payload; ``scatter_1``.
 - ``nvme store``: ``gather_1``, one ``index_select`` per chunk and layer into chunk buffers, one
   thread; ``checksum``; ``write``, one new file per chunk (no fsync, like the tier): the
   ceiling itself, whose run it is.
 
-For the nvme rows the floor is ``max(longest step, sum of steps / threads)``: the steps spread
-perfectly over torch's threads, as if they cost no coordination and memory bandwidth grew with
-the cores (it does not). ``best ratio`` = ceiling / floor is then the most any implementation of
-that op can reach on this machine; below the goal (0.8), the goal cannot be met here.
+For the nvme rows the floor is ``max(longest step, sum of steps / speedup)``: the steps spread
+perfectly over torch's threads, as if they cost no coordination, where ``speedup`` is what those
+threads gain on memory-bound work, measured in the same rounds: a plain copy of the same bytes on
+one thread (``copy_1``) against the same copy split among the threads (``copy_n``), kept within
+``[1, threads]``. Every nvme step streams the whole KV through memory (a copy, a hash, the page
+cache's copy), so more cores help them only as much as they help a copy. ``cores_floor_s`` keeps
+the floor with ``speedup = threads`` (memory bandwidth growing with the cores). ``best ratio`` =
+ceiling / floor is then the most any implementation of that op can reach on this machine; below
+the goal (0.8), the goal cannot be met here.
 """
 
 from __future__ import annotations
@@ -114,11 +120,12 @@ def _cpu_retrieve(seq: Any, chunk: int, repeat: int, folder: str) -> dict[str, A
             **{f"ceiling_{k}": (run, None) for k, run in scatter_runs(seq.dst, seq.slots, seq.kv).items()},
             "ours": (_retrieve(engine, seq), None),
             "scatter_1": (lambda: one.scatter(seq.dst), None),
-            "scatter_n": (lambda: shared.scatter(seq.dst), None)}
+            "scatter_n": (lambda: shared.scatter(seq.dst), None),
+            "keys": (lambda: engine.keys(seq.token_ids), None)}
         times = _medians(alternated_times(runs, repeat))
     ceiling = min(v for k, v in times.items() if k.startswith("ceiling_"))
-    floor = min(times["scatter_1"], times["scatter_n"])
-    return _row("cpu", "retrieve", ceiling, times, ["scatter_1", "scatter_n"], floor,
+    floor = min(times["scatter_1"], times["scatter_n"]) + times["keys"]
+    return _row("cpu", "retrieve", ceiling, times, ["scatter_1", "scatter_n", "keys"], floor,
                 {"fixed_s": times["ours"] - times["scatter_n"]})
 
 
@@ -170,16 +177,47 @@ def _nvme_rows(seq: Any, chunk: int, repeat: int, folder: str) -> list[dict[str,
             "get_ceiling": (read_files_run(files, whole), None), "get_ours": (_retrieve(engine, seq), None),
             "read": (read, None), "checksum": (checksum, None), "scatter_1": (lambda: plan.scatter(seq.dst), None),
             "put_ceiling": (write, clear), "put_ours": (lambda: _store(engine, seq), engine.evict_all),
-            "gather_1": (lambda: plan.gather(seq.src), None)}
+            "gather_1": (lambda: plan.gather(seq.src), None),
+            **{f"copy_{k}": (run, None) for k, run in _copy_runs(seq.nbytes, threads).items()}}
         times = _medians(alternated_times(runs, repeat))
         clear()
+    speedup = _speedup(times, threads)
     get = {"ours": times["get_ours"], **{k: times[k] for k in ("read", "checksum", "scatter_1")}}
     put = {"ours": times["put_ours"], "gather_1": times["gather_1"], "checksum": times["checksum"],
            "write": times["put_ceiling"]}
-    return [_row("nvme", "retrieve", times["get_ceiling"], get, ["read", "checksum", "scatter_1"],
-                 _spread(get, ["read", "checksum", "scatter_1"], threads), {"reads": "warm"}),
-            _row("nvme", "store", times["put_ceiling"], put, ["gather_1", "checksum", "write"],
-                 _spread(put, ["gather_1", "checksum", "write"], threads), {})]
+    memory = {"copy_1_s": times["copy_1"], "copy_n_s": times["copy_n"], "speedup": speedup}
+    get_steps, put_steps = ["read", "checksum", "scatter_1"], ["gather_1", "checksum", "write"]
+    return [_row("nvme", "retrieve", times["get_ceiling"], get, get_steps, _spread(get, get_steps, speedup),
+                 {"reads": "warm", "memory": memory, "cores_floor_s": _spread(get, get_steps, threads)}),
+            _row("nvme", "store", times["put_ceiling"], put, put_steps, _spread(put, put_steps, speedup),
+                 {"memory": memory, "cores_floor_s": _spread(put, put_steps, threads)})]
+
+
+def _copy_runs(nbytes: int, threads: int) -> dict[str, Run]:
+    """A plain copy of ``nbytes`` between two buffers: on one thread (``1``), and split among
+    ``threads`` threads (``n``; numpy copies, which release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
+    step = -(-nbytes // max(1, threads))
+    parts = [(dst[i:i + step], src[i:i + step]) for i in range(0, nbytes, step)]
+    pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="bounds-copy")
+
+    def split() -> None:
+        futures = [pool.submit(np.copyto, d, s) for d, s in parts[1:]]
+        np.copyto(*parts[0])
+        for f in futures:
+            f.result()
+
+    return {"1": lambda: np.copyto(dst, src), "n": split}
+
+
+def _speedup(times: dict[str, float], threads: int) -> float:
+    """How much faster ``threads`` threads move memory than one, measured (``copy_1 / copy_n``),
+    kept within ``[1, threads]``: what spreading memory-bound steps over the cores can gain."""
+    return min(float(threads), max(1.0, times["copy_1"] / times["copy_n"]))
 
 
 def _chunk_buffers(seq: Any, chunk: int) -> tuple[list[Any], list[Any]]:
@@ -206,9 +244,10 @@ def _medians(times: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _spread(times: dict[str, float], steps: list[str], threads: int) -> float:
-    """The floor of ``steps`` spread perfectly over ``threads`` threads."""
-    return max(max(times[s] for s in steps), sum(times[s] for s in steps) / max(1, threads))
+def _spread(times: dict[str, float], steps: list[str], speedup: float) -> float:
+    """The floor of ``steps`` spread perfectly over threads that together run ``speedup`` times
+    as fast as one: the longest step, or their sum over ``speedup``, whichever is longer."""
+    return max(max(times[s] for s in steps), sum(times[s] for s in steps) / max(1.0, speedup))
 
 
 def _row(tier: str, op: str, ceiling: float, times: dict[str, float], steps: list[str], floor: float,
@@ -227,6 +266,10 @@ def _print(record: dict[str, Any]) -> None:
                 ["op", "ceiling ms", "ours ms", "steps ms", "floor ms", "ratio", "best ratio"], rows)
     cpu = next(r for r in record["rows"] if r["tier"] == "cpu")
     print(f"cpu retrieve: ours - scatter_n {1e3 * cpu['fixed_s']:.2f} ms")
+    memory = next(r["memory"] for r in record["rows"] if "memory" in r)
+    print(f"memory: a {record['kv_bytes'] / 2**20:.0f} MiB copy takes {1e3 * memory['copy_1_s']:.2f} ms on one thread, "
+          f"{1e3 * memory['copy_n_s']:.2f} ms on {record['threads']}: the nvme floors spread their steps "
+          f"{memory['speedup']:.2f}x")
     for r in record["rows"]:
         verdict = "reachable" if r["goal_reachable"] else "out of reach on this machine"
         print(f"{r['tier']} {r['op']}: best ratio {r['best_ratio']:.2f} against the goal {GOAL_RATIO}: {verdict}")
