@@ -29,7 +29,7 @@ from kvlayer.router.fleet import Fleet
 from kvlayer.router.metrics import RouterMetrics
 from kvlayer.router.policy import Policy
 from kvlayer.router.proxy import Router
-from kvlayer.serving.app import DEFAULT_MAX_BODY_BYTES, BodyLimit, check_api_key, install_error_handlers, json_object
+from kvlayer.serving.http import DEFAULT_MAX_BODY_BYTES, BodyLimit, check_api_key, install_error_handlers, json_object
 from kvlayer.serving.metrics import CONTENT_TYPE
 from kvlayer.serving.protocol import error_body
 

@@ -1,8 +1,10 @@
 """``kvlayer router``: an OpenAI-compatible proxy in front of a fleet (docs/fleet.md).
 
 ``add_command(subparsers)`` adds it to the ``kvlayer`` parser; FastAPI, uvicorn, httpx and
-grpc are imported only when it runs. The port is bound first, so a port in use is a one-line
-error at once. SIGTERM or SIGINT stop taking connections, let open requests finish and exit 0.
+grpc are imported only when it runs; torch and the engine never are, except the engine's
+tokenizer (and with it torch) for ``--tokenizer``. The port is bound first, so a port in use is
+a one-line error at once. SIGTERM or SIGINT stop taking connections, let open requests finish
+and exit 0.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 from typing import Any
 
 from kvlayer.flags import nonnegative_float, port_number, positive_float
-from kvlayer.serving.cli import bind_socket, read_api_keys
+from kvlayer.serving.listener import base_url, bind_socket, read_api_keys, run_server
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from kvlayer.controller.auth import read_token
     from kvlayer.controller.channel import parse_target
     from kvlayer.router.app import RouterSettings, build_router_app
-    from kvlayer.serving.cli import base_url, run_server
 
     parse_target(args.controller)  # ValueError (one line) for a malformed address
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # no line per probe

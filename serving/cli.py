@@ -6,22 +6,18 @@ port in use is a one-line error at once. kvlayer's config comes from ``--kv-conf
 ``KVLAYER_*`` variables (``--no-kvlayer``: the engine alone); with ``controller_url`` and no
 ``instance_address`` the server registers its own base URL (``http://HOST:PORT``) as the
 instance's address, for routing. SIGTERM or SIGINT stop taking connections, let running
-requests finish, flush kvlayer's writes and exit 0.
+requests finish, flush kvlayer's writes and exit 0 (serving/listener.py, shared with the router).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvlayer.flags import port_number, positive_int
-
-log = logging.getLogger(__name__)
+from kvlayer.serving.listener import base_url, bind_socket, read_api_keys, run_server
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -53,39 +49,6 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-body-bytes", type=positive_int, default=16 * 1024**2,
                    help="largest request body accepted; larger ones get 413 (default: %(default)s)")
     s.set_defaults(func=run)
-
-
-def read_api_keys(path: str) -> list[str]:
-    """The keys in ``path``: one per line, blank lines and ``#`` comments skipped; ValueError
-    when there is none."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--api-key-file {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
-    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if not keys:
-        raise ValueError(f"--api-key-file {path}: no key in the file")
-    return keys
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``; ValueError (one line) when the address is taken or invalid."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(2048)
-    return sock
-
-
-def base_url(host: str, port: int) -> str:
-    """The URL clients and the controller reach this server at (the host's name when bound to all addresses)."""
-    name = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
-    return f"http://[{name}]:{port}" if ":" in name else f"http://{name}:{port}"
 
 
 def _kv_config(args: argparse.Namespace, url: str) -> Any:
@@ -141,22 +104,3 @@ def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> in
         loop.close_unstarted()
         return 1
     return 0
-
-
-def run_server(app: Any, sock: socket.socket, name: str) -> bool:
-    """Serve ``app`` on ``sock`` with uvicorn until SIGTERM or SIGINT, which drain it (running
-    requests finish, then the app's shutdown runs); returns whether it started."""
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(),
-                            access_log=False, timeout_graceful_shutdown=None)
-    server = uvicorn.Server(config)
-    # uvicorn re-raises the signal that stopped it once it has drained, with the handler it
-    # found installed: a drained server then exits 0, not by the signal's default action.
-    stopped_by: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda number, _frame: stopped_by.append(number))
-    server.run(sockets=[sock])
-    if stopped_by:
-        print(f"{name}: drained and stopped ({signal.Signals(stopped_by[0]).name})", file=sys.stderr)
-    return bool(server.started)

@@ -20,6 +20,13 @@ FORBIDDEN = {
     "connectors": ("kvlayer.engine", "kvlayer.benchmarks"),
     "serving": ("kvlayer.backends", "kvlayer.controller", "kvlayer.benchmarks", "kvlayer.cache_engine",
                 "kvlayer.tier_manager", "kvlayer.connectors.kvlayer_connector"),
+    # The router holds no KV: of serving it shares only the light modules (http, listener,
+    # protocol, metrics, chat). The engine's tokenizer is imported lazily for --tokenizer, so
+    # tests/router/test_router_imports.py checks at run time that the engine stays out.
+    "router": ("kvlayer.backends", "kvlayer.benchmarks", "kvlayer.connectors",
+               "kvlayer.cache_engine", "kvlayer.tier_manager", "kvlayer.serving.app", "kvlayer.serving.cli",
+               "kvlayer.serving.completions", "kvlayer.serving.engine_loop", "kvlayer.serving.generation",
+               "kvlayer.serving.text"),
 }
 # The CLI is the composition root: it wires every part together, lazily, per subcommand.
 EXEMPT = {ROOT / "kvlayer" / "cli.py"}

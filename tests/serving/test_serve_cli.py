@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from kvlayer.cli import main
-from kvlayer.serving.cli import base_url, read_api_keys
+from kvlayer.serving.listener import base_url, read_api_keys
 
 
 def one_line_error(capsys, argv: list[str]) -> str:
