@@ -1,7 +1,7 @@
 """The ``cpu`` tier: chunks in one pinned host arena (plain memory where CUDA is absent).
 
-Enabled when ``config.cpu_capacity > 0``; the staging tier for everything below it. All the
-logic lives in ``MemoryTier``.
+Enabled when its ``capacity`` setting (``cpu_capacity``, ``backends/settings.py``) is > 0; the
+staging tier for everything below it. All the logic lives in ``MemoryTier``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kvlayer.storage import BackendContext
 
 
 class CpuBackend(MemoryTier):
-    """Host-memory tier, rank 10, capacity ``config.cpu_capacity``."""
+    """Host-memory tier, rank 10, capacity its ``capacity`` setting (``cpu_capacity``)."""
 
     name = "cpu"
     rank = 10

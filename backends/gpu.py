@@ -1,8 +1,8 @@
 """The ``gpu`` tier: chunks in one arena on the engine's device (``ctx.device``).
 
-Enabled when ``config.gpu_capacity > 0``; the hottest chunks, fastest to load into the paged
-cache. With ``ctx.device`` "cpu" (tests) the same code runs on the host. All the logic lives
-in ``MemoryTier``.
+Enabled when its ``capacity`` setting (``gpu_capacity``, ``backends/settings.py``) is > 0; the
+hottest chunks, fastest to load into the paged cache. With ``ctx.device`` "cpu" (tests) the
+same code runs on the host. All the logic lives in ``MemoryTier``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvlayer.storage import BackendContext
 
 
 class GpuBackend(MemoryTier):
-    """Device-memory tier, rank 0, capacity ``config.gpu_capacity``."""
+    """Device-memory tier, rank 0, capacity its ``capacity`` setting (``gpu_capacity``)."""
 
     name = "gpu"
     rank = 0

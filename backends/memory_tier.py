@@ -49,7 +49,8 @@ class MemoryTier(StorageBackend):
 
     in_memory = True
     capacity_setting: ClassVar[str] = ""
-    """The ``KVLayerConfig`` field holding this tier's capacity in bytes (0 disables the tier)."""
+    """The flat config key of this tier's ``capacity`` setting, ``<name>_capacity`` (declared in
+    ``backends/settings.py``; bytes, 0 disables the tier): how messages name it."""
     pin_host: ClassVar[bool] = False
     """Whether a host arena should be page-locked (where CUDA exists)."""
 
@@ -69,11 +70,11 @@ class MemoryTier(StorageBackend):
 
     @classmethod
     def create(cls, ctx: BackendContext) -> MemoryTier | None:
-        """The tier with an arena of its configured capacity, None when that is 0.
+        """The tier with an arena of its ``capacity`` setting (``ctx.tier_settings``), None when that is 0.
 
         ``ValueError`` (naming the setting) if the capacity holds not even one chunk.
         """
-        capacity = getattr(ctx.config, cls.capacity_setting)
+        capacity = ctx.tier_settings(cls.name)["capacity"]
         if capacity <= 0:
             return None
         slot_bytes = ctx.layout.chunk_bytes(ctx.config.chunk_size)

@@ -31,6 +31,7 @@ from kvlayer.memory import Arena, MemoryObj
 from kvlayer.storage import BackendContext, StorageBackend, check_batch
 
 from . import nvme_files, nvme_reads
+from .byte_reads import ChunkRead
 from .nvme_index import IndexEntry, NvmeIndex
 
 log = logging.getLogger(__name__)
@@ -83,12 +84,13 @@ class NvmeBackend(StorageBackend):
 
     @classmethod
     def create(cls, ctx: BackendContext) -> NvmeBackend | None:
-        """The tier, or None when ``nvme_path`` is unset or ``nvme_capacity`` is 0. No I/O."""
-        cfg = ctx.config
-        if not cfg.nvme_path or cfg.nvme_capacity == 0:
+        """The tier from its settings (``ctx.tier_settings``: ``path``, ``capacity``, ``fsync``,
+        declared in ``backends/settings.py``), or None when ``path`` is unset or ``capacity`` is 0. No I/O."""
+        own, cfg = ctx.tier_settings(cls.name), ctx.config
+        if not own["path"] or own["capacity"] == 0:
             return None
-        root = os.path.abspath(os.path.expanduser(cfg.nvme_path))
-        return cls(root, cfg.nvme_capacity, ctx.layout, ctx.staging, fsync=cfg.nvme_fsync,
+        root = os.path.abspath(os.path.expanduser(own["path"]))
+        return cls(root, own["capacity"], ctx.layout, ctx.staging, fsync=own["fsync"],
                    compression=cfg.compression, quantization=cfg.storage_quantization)
 
     # --- the StorageBackend interface -------------------------------------------------
@@ -116,8 +118,8 @@ class NvmeBackend(StorageBackend):
         if self._compression != "none" or self._quantization != "none":  # files read whole, then decoded
             return await super().read_layers(keys, outs, groups, on_group)
         entries = [self._index.get(k.digest) for k in keys]
-        reads = [nvme_files.RangedRead(e.path, k, o.tensor) if e is not None else None
-                 for k, e, o in zip(keys, entries, outs, strict=True)]
+        reads = [nvme_files.RangedFile(e.path, ChunkRead(k, o.shape, o.dtype, o.tensor))
+                 if e is not None else None for k, e, o in zip(keys, entries, outs, strict=True)]
         for e in entries:
             if e is not None:
                 e.readers += 1
@@ -131,18 +133,19 @@ class NvmeBackend(StorageBackend):
                 if r is not None:
                     r.close()
 
-    def _finished(self, key: ChunkKey, entry: IndexEntry | None, read: nvme_files.RangedRead | None) -> bool:
+    def _finished(self, key: ChunkKey, entry: IndexEntry | None, read: nvme_files.RangedFile | None) -> bool:
         """Count ``read``'s outcome, as ``_get_one`` does for a whole read."""
-        ok = read is not None and entry is not None and read.verified()
+        ok = read is not None and entry is not None and read.chunk.verified()
         if ok:
             self._stats["bytes_read"] += entry.size
             self._index.touch(key.digest)
         elif read is not None and entry is not None:
-            if isinstance(read.error, serde.ChunkFormatError):
-                self._corrupt(entry, read.error)
-            elif read.error is not None:
-                self._fault("io_errors", entry.path, read.error)
-                if isinstance(read.error, FileNotFoundError):
+            error = read.chunk.error
+            if isinstance(error, serde.ChunkFormatError):
+                self._corrupt(entry, error)
+            elif error is not None:
+                self._fault("io_errors", entry.path, error)
+                if isinstance(error, FileNotFoundError):
                     self._forget(entry)
         self._stats["hits" if ok else "misses"] += 1
         return ok

@@ -27,10 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from kvlayer import serde
 from kvlayer.keys import ChunkKey
+
+from .byte_reads import ChunkRead
 
 CHUNK_SUFFIX = ".kvc"
 TEMP_PREFIX = ".tmp-"
@@ -243,29 +244,36 @@ def _fsync_dir(folder: str) -> None:
 def load_chunk(path: str, key: ChunkKey, out: torch.Tensor, file_size: int, quantization: str = "none") -> int:
     """Read the chunk file at ``path`` into ``out`` and verify it is ``key``'s; the bytes read.
 
-    A raw chunk file (``file_size`` is the header plus ``out``'s bytes) is read with one
-    ``readv`` straight into ``out`` and verified there (``decode_payload`` of ``out``'s own
-    bytes only checks them: numpy skips a copy onto itself); any other file (lz4, quantized) is
-    read whole, then decoded into ``out``. Raises ChunkFormatError when the file is not a valid
-    chunk of ``key`` with ``out``'s shape and dtype and a payload quantized as ``quantization``
-    says, OSError when it cannot be read; ``out`` then holds garbage. Blocking: run it in a
-    worker thread.
+    A raw chunk file in an exact tier (``file_size`` is the header plus ``out``'s bytes) is read
+    with one ``readv`` straight into ``out`` as one range of the shared ranged read
+    (``backends/byte_reads.py``), hashed there; any other file (lz4, quantized) is read whole,
+    then decoded into ``out``. Raises ChunkFormatError when the file is not a valid chunk of
+    ``key`` with ``out``'s shape and dtype and a payload quantized as ``quantization`` says,
+    OSError when it cannot be read; ``out`` then holds garbage. Blocking: run it in a worker
+    thread.
     """
-    dst = memoryview(out.view(-1).view(torch.uint8).numpy())
-    raw_end = serde.HEADER_SIZE + len(dst)
-    if file_size == raw_end:
-        head = bytearray(serde.HEADER_SIZE)
-        n = read_into(path, (head, dst, bytearray(1)))
-        if n > raw_end:
-            raise serde.ChunkFormatError(f"the file is {n - raw_end} bytes longer than its chunk")
-        head_view, payload = memoryview(head)[:n], dst[: max(n - serde.HEADER_SIZE, 0)]
-    else:
-        data = memoryview(read_file(path))
-        head_view, payload = data[: serde.HEADER_SIZE], data[serde.HEADER_SIZE :]
-    header = serde.decode_header(head_view)
+    if quantization == "none" and file_size == serde.HEADER_SIZE + out.numel() * out.element_size():
+        return _load_raw(path, ChunkRead(key, tuple(out.shape), out.dtype, out))
+    data = memoryview(read_file(path))
+    head, payload = data[: serde.HEADER_SIZE], data[serde.HEADER_SIZE :]
+    header = serde.decode_header(head)
     serde.check_header(header, key, tuple(out.shape), out.dtype, quantization)
     serde.decode_payload(header, payload, out)
-    return len(head_view) + len(payload)
+    return len(data)
+
+
+def _load_raw(path: str, chunk: ChunkRead) -> int:
+    """``load_chunk`` of a file the size of a raw chunk: header and payload in one ``readv``."""
+    head = bytearray(serde.HEADER_SIZE)
+    raw_end = serde.HEADER_SIZE + chunk.payload_len
+    n = read_into(path, (head, chunk.claim(0, chunk.payload_len), bytearray(1)))
+    if n > raw_end:
+        raise serde.ChunkFormatError(f"the file is {n - raw_end} bytes longer than its chunk")
+    if chunk.open(memoryview(head)[:n]) is not None and n == raw_end:
+        chunk.landed(0, chunk.payload_len)
+    if chunk.verified():
+        return n
+    raise chunk.error or serde.ChunkFormatError(f"the file ends at byte {n}, its chunk at {raw_end}")
 
 
 def read_file(path: str) -> bytes:
@@ -318,46 +326,38 @@ def unlink_quietly(path: str) -> bool:
     return True
 
 
-class RangedRead:
-    """One raw (uncompressed) chunk file read into ``out`` layer range by layer range, in order.
+class RangedFile:
+    """A raw chunk file read layer range by layer range into ``chunk``'s destination (the shared
+    ranged read, ``backends/byte_reads.py``, which checks the header and keeps the checksum).
 
-    ``read(lo, hi)`` reads layers ``[lo, hi)`` (the first call also the header, which it
-    checks against ``key``, ``out``'s shape and dtype and the file's size) and feeds them to a
-    running checksum; ``verified()`` checks that checksum once every layer was read, ``close()``
-    closes the file. The first error is kept in ``error`` (``OSError`` or ``ChunkFormatError``)
-    and ends the reads. Blocking: call ``read`` on a worker thread, one call at a time.
+    ``read(lo, hi)`` reads layers ``[lo, hi)``, the first call also the header (with the first
+    range in one ``preadv`` when that starts at layer 0) after checking the file's size; a fault
+    (``OSError``, ``ChunkFormatError``) goes to ``chunk.error`` and ends the reads. ``close()``
+    closes the file. Blocking: call ``read`` on a worker thread, one call at a time.
     """
 
-    def __init__(self, path: str, key: ChunkKey, out: torch.Tensor) -> None:
+    def __init__(self, path: str, chunk: ChunkRead) -> None:
         self.path = path
-        self.error: Exception | None = None
-        self._key = key
-        self._out = out
-        self._dst = memoryview(out.view(-1).view(torch.uint8).numpy())
-        self._layer_bytes = len(self._dst) // out.shape[0]
+        self.chunk = chunk
         self._fd: int | None = None
-        self._header: serde.ChunkHeader | None = None
-        self._hasher = xxhash.xxh3_64()
-        self._done = 0
-        """Payload bytes read so far."""
 
-    def read(self, lo: int, hi: int) -> int:
-        """Read layers ``[lo, hi)`` into ``out``; the bytes read (0 once an error happened)."""
-        if self.error is not None:
-            return 0
-        start, end = lo * self._layer_bytes, hi * self._layer_bytes
+    def read(self, lo: int, hi: int) -> None:
+        """Read layers ``[lo, hi)`` into the chunk (nothing once its read failed)."""
+        chunk = self.chunk
+        if chunk.error is not None:
+            return
+        start, end = chunk.layer_span(lo, hi)
+        window = chunk.claim(start, end)
         try:
-            if start != self._done:
-                raise ValueError(f"layers must be read in order: byte {start}, expected {self._done}")
-            if self._fd is None:
-                return self._open_and_read(end)
-            _pread_exactly(self._fd, [self._dst[start:end]], serde.HEADER_SIZE + start)
+            opening = self._fd is None
+            if opening and not self._open_and_read(window if start == 0 else None):
+                return
+            if not (opening and start == 0):  # else the header's read brought these bytes too
+                self._pread(window, serde.HEADER_SIZE + start)
         except (OSError, serde.ChunkFormatError) as e:
-            self.error = e
-            return 0
-        self._hasher.update(self._dst[start:end])
-        self._done = end
-        return end - start
+            chunk.fail(e)
+            return
+        chunk.landed(start, end)
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -365,29 +365,20 @@ class RangedRead:
             os.close(self._fd)
             self._fd = None
 
-    def verified(self) -> bool:
-        """Whether every byte was read and matches the header's checksum (a mismatch is kept
-        in ``error``)."""
-        if self.error is None and self._header is not None and self._done == len(self._dst):
-            if self._hasher.intdigest() == self._header.payload_checksum:
-                return True
-            self.error = serde.ChunkFormatError("payload checksum mismatch")
-        return False
+    def _pread(self, window: memoryview, offset: int) -> None:
+        assert self._fd is not None
+        _pread_exactly(self._fd, [window], offset)
 
-    def _open_and_read(self, end: int) -> int:
-        self._fd = os.open(self.path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
-        if size != serde.HEADER_SIZE + len(self._dst):
-            raise serde.ChunkFormatError(f"the file is {size} bytes, a raw chunk {serde.HEADER_SIZE + len(self._dst)}")
+    def _open_and_read(self, first: memoryview | None) -> bool:
+        """Open the file, check its size and header (read with ``first``, payload bytes from 0);
+        whether the header was accepted."""
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        size, want = os.fstat(self._fd).st_size, serde.HEADER_SIZE + self.chunk.payload_len
+        if size != want:
+            raise serde.ChunkFormatError(f"the file is {size} bytes, a raw chunk {want}")
         head = bytearray(serde.HEADER_SIZE)
-        _pread_exactly(self._fd, [head, self._dst[:end]], 0)
-        self._header = serde.decode_header(head)
-        serde.check_header(self._header, self._key, tuple(self._out.shape), self._out.dtype)
-        if not self._header.raw:
-            raise serde.ChunkFormatError("a compressed or quantized chunk cannot be read by layers")
-        self._hasher.update(self._dst[:end])
-        self._done = end
-        return serde.HEADER_SIZE + end
+        _pread_exactly(self._fd, [head] if first is None else [head, first], 0)
+        return self.chunk.open(head) is not None
 
 
 def _pread_exactly(fd: int, buffers: Sequence[bytearray | memoryview], offset: int) -> None:

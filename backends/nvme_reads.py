@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from kvlayer.memory import MemoryObj
 
-from .nvme_files import RangedRead
+from .nvme_files import RangedFile
 
 T = TypeVar("T")
 
@@ -39,19 +39,19 @@ async def fill(obj: MemoryObj, fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
-async def read_groups(reads: Sequence[RangedRead | None], groups: Sequence[tuple[int, int]],
+async def read_groups(reads: Sequence[RangedFile | None], groups: Sequence[tuple[int, int]],
                       threads: int, on_group: Callable[[int], None]) -> None:
-    """Read layer group g of every read still without an error, split over at most ``threads``
-    worker threads, then call ``on_group(g)``; group g + 1 only after that. Errors stay in each
-    read's ``error``; a None read is skipped."""
+    """Read layer group g of every file whose read has no error yet, split over at most
+    ``threads`` worker threads, then call ``on_group(g)``; group g + 1 only after that. Errors
+    stay in each read's ``chunk.error``; a None read is skipped."""
     for g, (lo, hi) in enumerate(groups):
-        live = [r for r in reads if r is not None and r.error is None]
+        live = [r for r in reads if r is not None and r.chunk.error is None]
         n = max(1, min(threads, len(live)))
         await _on_threads([partial(_read_range, live[i::n], lo, hi) for i in range(n)])
         on_group(g)
 
 
-def _read_range(reads: Sequence[RangedRead], lo: int, hi: int) -> None:
+def _read_range(reads: Sequence[RangedFile], lo: int, hi: int) -> None:
     for r in reads:
         r.read(lo, hi)
 

@@ -6,8 +6,8 @@ Enabled by ``redis_url``: ``redis://host:port/db``, ``rediss://`` (TLS; options 
 ``redis_cluster: true`` talks to a Redis Cluster, whose nodes share the chunks by key. Chunk K
 lives under ``<redis_key_prefix>:{<K hex>}`` (head) and ``<redis_key_prefix>:{<K hex>}:b`` (body),
 one hash slot (the layout and why: ``backends/redis_pairs.py``), both written by one ``MSETNX``
-(with their ``EXPIRE redis_ttl_s`` when > 0, in one ``MULTI`` but in cluster mode) and read by
-one ``MGET``: a reader sees the whole chunk or nothing, never half of one. A chunk that lost
+(with their ``EXPIRE redis_ttl_s`` when > 0, in one ``MULTI`` but in cluster mode) and read
+together: a reader gets the whole chunk or a miss, never half of one. A chunk that lost
 one key (Redis evicts and expires keys one by one) is a miss counted in ``half_chunks``, and
 its other key is deleted (by a read in the background, by ``contains_prefix`` before it
 returns), so that the chunk can be written again.
@@ -30,13 +30,14 @@ Throughput: a value is never copied whole on the way out or in. The body is a vi
 chunk's tensor (or its lz4 frame), which ``backends/redis_clients.py`` writes to the socket from
 that memory: Python 3.11's ``StreamWriter.writelines`` would join every piece into one new
 buffer and its transport copy that twice more (0.3 GiB/s for 6 MiB values here, 2-3 GiB/s
-piecewise). Replies are read by the tier's one reply reader (``backends/redis_replies.py``),
-which skips redis-py's reply parser and its copies: the socket receives each body, whole
-(``MGET``, into a staging object) or by layer-group range (``GETRANGE``, into the caller's
-chunk), straight into its destination, hashed as it lands (``backends/redis_reads.py``).
-Redis Cluster clients take no connection class, so in cluster mode bodies are joined once and
-replies go through redis-py, as they do where this Python's ``StreamReader`` lacks the internals
-the reader needs; those values are checked by ``redis_pairs.decode_pair``.
+piecewise). Raw chunks are read by the tier's one fast path (``backends/redis_reads.py``) over
+connections of its own (``backends/redis_wire.py``), without redis-py's stream reader and its
+copies: ``GET`` of the heads and ``STRLEN`` of the bodies (seen together, as by ``MGET``), then
+``GETRANGE`` of the bodies by layer group, each range received straight into its destination (a
+staging object for ``get_many``, the caller's chunk for ``read_layers``) and hashed as it lands
+(``backends/byte_reads.py``). Compressed or quantized tiers and cluster mode (whose clients take
+no connection class: bodies are joined once) read whole chunks with redis-py's ``MGET``,
+checked by ``redis_pairs.decode_pair``.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from typing import Any
 
 from kvlayer import serde
+from kvlayer.backends.byte_reads import ChunkRead
 from kvlayer.backends.redis_clients import (
     PiecewiseValue,
     RedisSettings,
@@ -56,7 +58,6 @@ from kvlayer.backends.redis_clients import (
     make_client,
     pipeline,
     raise_server_error,
-    read_or_drop,
     sync_client,
 )
 from kvlayer.backends.redis_pairs import (
@@ -73,14 +74,12 @@ from kvlayer.backends.redis_pairs import (
     split,
     write_commands,
 )
-from kvlayer.backends.redis_reads import read_layers_on, read_whole_on
-from kvlayer.backends.redis_replies import SUPPORTED as buffered_replies
+from kvlayer.backends.redis_reads import ValueRead, read_values
+from kvlayer.backends.redis_wire import Wire, WirePool
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
-from kvlayer.memory import Arena, MemoryObj
+from kvlayer.memory import Arena, MemoryObj, release_all
 from kvlayer.storage import BackendContext, StorageBackend, check_batch
-
-T = TypeVar("T")
 
 COUNTERS = ("hits", "misses", "checksum_errors", "half_chunks", "staging_full", "node_errors", "bytes_read",
             "bytes_written", "puts", "removed")
@@ -109,6 +108,7 @@ class RedisBackend(StorageBackend):
         self._layout = layout
         self._staging = staging
         self._client: Any = None
+        self._wires: WirePool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefix = settings.prefix.encode() + b":"
         self._stats: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
@@ -119,11 +119,13 @@ class RedisBackend(StorageBackend):
 
     @classmethod
     def create(cls, ctx: BackendContext) -> RedisBackend | None:
-        """The tier, or None when ``redis_url`` is unset. No I/O (the client connects lazily)."""
-        cfg = ctx.config
-        if not cfg.redis_url:
+        """The tier from its settings (``ctx.tier_settings``: ``url``, ``cluster``, ``ttl_s``,
+        ``key_prefix``, declared in ``backends/settings.py``), or None when ``url`` is unset. No I/O
+        (the client connects lazily)."""
+        own, cfg = ctx.tier_settings(cls.name), ctx.config
+        if not own["url"]:
             return None
-        settings = RedisSettings(cfg.redis_url, cfg.redis_cluster, cfg.redis_ttl_s, cfg.redis_key_prefix,
+        settings = RedisSettings(own["url"], own["cluster"], own["ttl_s"], own["key_prefix"],
                                  cfg.compression, cfg.tier_timeout_ms / 1000, cfg.storage_quantization)
         return cls(settings, ctx.layout, ctx.staging)
 
@@ -149,36 +151,45 @@ class RedisBackend(StorageBackend):
             n += 1
         return n
 
+    @property
+    def ranged_reads(self) -> bool:
+        """Whether chunks are read by the fast path (``backends/redis_reads.py``): in a tier of raw
+        chunks, not in cluster mode (else whole chunks are read through redis-py)."""
+        settings = self.settings
+        return not settings.cluster and settings.compression == "none" and settings.quantization == "none"
+
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
         if not keys:
             return []
-        wants = [Expected(k, self._layout.chunk_shape(k.num_tokens, len(k.layers)), self._layout.dtype, self._staging,
-                          self.settings.quantization) for k in keys]
-        async with self._deadline():
-            if self.settings.cluster or not buffered_replies:
+        shapes = [self._layout.chunk_shape(k.num_tokens, len(k.layers)) for k in keys]
+        if not self.ranged_reads:
+            wants = [Expected(k, shape, self._layout.dtype, self._staging, self.settings.quantization)
+                     for k, shape in zip(keys, shapes)]
+            async with self._deadline():
                 replies = await self._get_parsed(wants)
-            else:
-                names = [self.redis_keys(k) for k in keys]
-                replies = await self._pooled("MGET", lambda conn: read_whole_on(conn, names, wants))
-        # No await from here on: the objects in the replies cannot leak to a cancellation.
-        self._tally([(self.redis_keys(k), r.obj is not None, r.nbytes, r.error, r.stored)
-                     for k, r in zip(keys, replies)])
-        return [r.obj for r in replies]
+            # No await from here on: the objects in the replies cannot leak to a cancellation.
+            self._tally([(self.redis_keys(k), r.obj is not None, r.nbytes, r.error, r.stored)
+                         for k, r in zip(keys, replies)])
+            return [r.obj for r in replies]
+        whole = [(0, max(shape[0] for shape in shapes))]  # one group: nobody waits for early layers
+        async with self._deadline():
+            values = await self._read_ranged(keys, shapes, [None] * len(keys), whole, lambda g: None)
+        hits = [v.chunk.verified() for v in values]
+        release_all(v.out for v, hit in zip(values, hits) if v.out is not None and not hit)
+        self._tally([(v.names, hit, v.nbytes, v.chunk.error, v.stored) for v, hit in zip(values, hits)])
+        return [v.out if hit else None for v, hit in zip(values, hits)]
 
     async def read_layers(self, keys: Sequence[ChunkKey], outs: Sequence[MemoryObj],
                           groups: Sequence[tuple[int, int]], on_group: Callable[[int], None]) -> list[bool]:
         """``StorageBackend.read_layers`` with pipelined ``GETRANGE``s of the bodies by layer group
-        (``backends/redis_reads.py``); compressed or quantized values and cluster mode read whole values."""
-        encoded = self.settings.compression != "none" or self.settings.quantization != "none"
-        if self.settings.cluster or encoded or not keys or not buffered_replies:
+        (``backends/redis_reads.py``); where ``ranged_reads`` is false, whole chunks through redis-py."""
+        if not keys or not self.ranged_reads:
             return await super().read_layers(keys, outs, groups, on_group)
-        names = [self.redis_keys(k) for k in keys]
         async with self._deadline():
-            values = await self._pooled("GETRANGE", lambda conn: read_layers_on(conn, names, keys, outs, groups,
-                                                                                 on_group))
-        flags = [v.verified() for v in values]
+            values = await self._read_ranged(keys, [o.shape for o in outs], outs, groups, on_group)
+        flags = [v.chunk.verified() for v in values]
         # Not "stored": a chunk read into the caller's ``outs`` never meets a full staging arena.
-        self._tally([(name, ok, v.nbytes, v.error, False) for name, ok, v in zip(names, flags, values)])
+        self._tally([(v.names, ok, v.nbytes, v.chunk.error, False) for v, ok in zip(values, flags)])
         return flags
 
     async def put_many(self, keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj]) -> None:
@@ -241,6 +252,8 @@ class RedisBackend(StorageBackend):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         client, self._client = self._client, None
         if client is not None and self._loop is asyncio.get_running_loop():
+            if self._wires is not None:
+                self._wires.close()
             await client.aclose()
 
     # --- encoding and decoding --------------------------------------------------------
@@ -278,26 +291,37 @@ class RedisBackend(StorageBackend):
         return asyncio.timeout(self.settings.timeout_s)
 
     def _connection(self) -> Any:
+        """This event loop's redis-py client (and ``_wires``, its pool of the tier's own connections)."""
         loop = asyncio.get_running_loop()
         if self._client is None or self._loop is not loop:
             self._client = make_client(self.settings)
+            self._wires = WirePool(self.settings.url)
             self._loop = loop
         return self._client
 
-    async def _pooled(self, what: str, read: Callable[[Any], Awaitable[T]]) -> T:
-        """``read(conn)`` on a pooled connection, whose ``what`` replies it parses itself (the
-        connection is dropped if it fails mid-reply); one retry on a fresh connection, as redis-py's
-        own calls do (``read`` must start over on each call)."""
-        pool = self._connection().connection_pool
-        conn = await pool.get_connection()
-        try:
-            return await conn.retry.call_with_retry(lambda: read_or_drop(conn, what, read(conn)),
-                                                    lambda _: conn.disconnect())
-        finally:
-            await pool.release(conn)
+    async def _read_ranged(self, keys: Sequence[ChunkKey], shapes: Sequence[tuple[int, ...]],
+                           outs: Sequence[MemoryObj | None], groups: Sequence[tuple[int, int]],
+                           on_group: Callable[[int], None]) -> list[ValueRead]:
+        """Each chunk ``keys[i]`` (of ``shapes[i]``) read into ``outs[i]`` (None: a staging object,
+        then owned by the caller) on one of the tier's own connections (``backends/redis_wire.py``);
+        a failure releases the staging objects and raises."""
+        async def attempt(wire: Wire) -> list[ValueRead]:  # a retry starts over
+            values = [ValueRead(self.redis_keys(k), ChunkRead(k, shape, self._layout.dtype), out,
+                                self._staging if out is None else None)
+                      for k, shape, out in zip(keys, shapes, outs, strict=True)]
+            try:
+                await read_values(wire, values, groups, on_group)
+            except BaseException:
+                release_all(v.out for v in values if v.staging is not None and v.out is not None)
+                raise
+            return values
+
+        self._connection()
+        assert self._wires is not None
+        return await self._wires.run(attempt)
 
     async def _get_parsed(self, wants: list[Expected]) -> list[Reply]:
-        """Whole chunks through redis-py's reply parser (cluster mode, or no buffered reader)."""
+        """Whole chunks through redis-py's reply parser (where ``ranged_reads`` is false)."""
         values = await self._run([("MGET", *self.redis_keys(w.key)) for w in wants])
         return [decode_pair(*v, w) if isinstance(v, list) else _error_reply(v) for v, w in zip(values, wants)]
 

@@ -5,21 +5,20 @@ the few calls the tier (``backends/redis.py``) makes on them.
 ``make_client`` gives the asyncio client: a plain one whose connections send a
 ``PiecewiseValue`` (a chunk's body: a view of its tensor) without ever copying it, or a
 cluster client; ``sync_client`` a blocking one for occasional admin calls. ``pipeline`` sends
-commands in one pipeline, ``read_or_drop`` guards a connection whose replies the tier parses
-itself, and ``is_failure``/``raise_server_error`` sort error replies from failed servers.
+commands in one pipeline, and ``is_failure``/``raise_server_error`` sort error replies from
+failed servers. The tier's fast reads use connections of their own (``backends/redis_wire.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from kvlayer import serde
 
-T = TypeVar("T")
 _BIG_PIECE = 64 * 1024
 """Pieces at least this large are written alone, from their own memory."""
 
@@ -155,20 +154,6 @@ def raise_server_error(replies: Iterable[Any]) -> None:
     for r in replies:
         if isinstance(r, BaseException) and not is_failure(r):
             raise r
-
-
-async def read_or_drop(conn: Any, what: str, reading: Awaitable[T]) -> T:
-    """``await reading`` (replies read from ``conn``'s stream); on any failure the connection,
-    left mid-reply, is dropped, and a broken stream is raised as redis' ConnectionError."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    try:
-        return await reading
-    except BaseException as e:
-        await conn.disconnect(nowait=True)
-        if isinstance(e, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)):
-            raise RedisConnectionError(f"reading {what} replies: {e!r}") from e
-        raise
 
 
 async def pipeline(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:

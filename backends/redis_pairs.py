@@ -17,10 +17,11 @@ header's checksum covers the whole payload). Both keys are written together by `
 readers treat them as misses (``HalfChunk``) and delete both keys.
 
 Checking a pair: ``check_head`` is the one check of a head value (its serde header against the
-key, shape and dtype; its size against the header), ``check_body`` the body's size.
-``decode_pair`` turns a head and a body that redis-py read (cluster mode, and the fallback where
-``backends/redis_replies.py`` cannot run) into the same ``Reply`` as the buffered whole-chunk
-read (``backends/redis_reads.py``): any mismatch is a ``Reply`` with ``error`` set, never data.
+key, shape and dtype; its size against the header, ``check_head_size``), ``check_body`` the
+body's size. ``decode_pair`` turns a head and a body that redis-py read (cluster mode, and
+compressed or quantized tiers) into a ``Reply``: any mismatch is a ``Reply`` with ``error`` set,
+never data. The tier's fast path (``backends/redis_reads.py``) makes the same checks as the
+bytes arrive.
 """
 
 from __future__ import annotations
@@ -123,10 +124,15 @@ def check_head(head: bytes | memoryview, size: int, key: ChunkKey, shape: tuple[
     ``quantization`` says; ChunkFormatError if not."""
     header = serde.decode_header(head)
     serde.check_header(header, key, shape, dtype, quantization)
+    check_head_size(header, size)
+    return header
+
+
+def check_head_size(header: serde.ChunkHeader, size: int) -> None:
+    """ChunkFormatError unless a head value of ``size`` bytes fits ``header`` (it and the tail)."""
     expected = serde.HEADER_SIZE + tail_len(header.payload_len)
     if size != expected:
         raise serde.ChunkFormatError(f"head is {size} bytes, its header says {expected}")
-    return header
 
 
 def check_body(header: serde.ChunkHeader, size: int) -> None:

@@ -1,281 +1,188 @@
-"""Reading the Redis tier's chunks through its one reply reader (``backends/redis_replies.py``):
-whole chunks into staging objects (``get_many``) and layer groups into the caller's chunks
-(``read_layers``). The two-key layout and its checks are in ``backends/redis_pairs.py``.
+"""The Redis tier's one fast read path: raw chunks received over its own connections
+(``backends/redis_wire.py``) straight into their destination, by payload range, for whole
+chunks (``get_many``: into staging objects) and layer groups (``read_layers``: into the
+caller's chunks) alike. Each chunk is one shared ranged read (``backends/byte_reads.py``: header
+check, destination, running checksum); the two-key layout and its checks are in
+``backends/redis_pairs.py``. Compressed or quantized tiers and cluster mode read through redis-py
+instead (``redis_pairs.decode_pair``).
 
-Both send one pipeline, then read its replies in order under one ``switched_replies``: every
-payload byte is received by the socket straight into the chunk it belongs to and hashed as it
-lands, while it is still in cache; the payload's last bytes (the tail) come with the head. One
-function, ``_read_head``, checks a head for both (its serde header against the key, shape,
-dtype and quantization, its size against the header) and keeps its tail.
+One pipeline asks, for every chunk, ``GET`` of its head, ``STRLEN`` and ``EXISTS`` of its body
+(a missing key and an empty string both have length 0), then the bodies' ``GETRANGE`` of layer
+group 0 of every chunk, then group 1, and so on. The payload is raw and layer-major, so layers
+``[lo, hi)`` are payload bytes ``lo * L .. hi * L - 1`` (L: one layer's bytes); the payload's
+last bytes (the tail) come with the head, and go into the chunk with the group that holds them.
+A server runs the commands of a pipeline that arrived together back to back, so a head and its
+body's length are seen together, as ``MGET`` sees them: a chunk with one string key (the other
+missing, or of another type) is a ``HalfChunk``.
 
-Whole chunks (``read_whole_on``): one ``MGET head body`` per chunk, which reads both keys at one
-instant, so a chunk written or deleted meanwhile is seen whole or not at all; only a key Redis
-evicted or expired alone makes a ``HalfChunk``. The body goes into a staging object allocated
-once the head and the body's size check out (a full arena: the body is skipped); lz4 and
-quantized payloads are received whole into scratch memory, then decoded.
-
-Layer groups (``read_layers_on``): the payload is raw and layer-major, so layers ``[lo, hi)`` are
-payload bytes ``lo * L .. hi * L - 1`` (L: one layer's bytes): a ``GETRANGE`` of the body at
-those offsets, then, for the last group(s), bytes of the tail. One pipeline asks ``GET`` of every
-head and ``STRLEN`` of every body (a missing head: a missing chunk; a head without its body: a
-``HalfChunk``), then ``GETRANGE`` of group 0 of every body, then group 1, and so on; each chunk's
-running checksum is checked after its last group. Raw values only: compressed or quantized chunks
-and cluster mode go through whole reads.
-
-A value of the wrong size, type, header or checksum fails its key only; a broken stream raises
-``ProtocolError`` (or the transport's errors), after which the connection must be dropped
-(``redis_clients.read_or_drop``).
+Per chunk: a head that is not the key's raw chunk of the expected shape, a body of another
+length, an error reply or a range of the wrong size fail that chunk only (its bytes are skipped,
+the stream stays in step); a chunk with no head and no body is a plain miss. A whole chunk's
+staging object is allocated once its head and body length checked out (a full arena: its
+ranges are skipped, ``stored`` and no error). A broken stream raises ``ProtocolError`` (or the
+transport's errors); the wire is then dropped (``WirePool``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-import xxhash
-
 from kvlayer import serde
-from kvlayer.keys import ChunkKey
-from kvlayer.memory import MemoryObj, release_all
+from kvlayer.memory import Arena, MemoryObj
 
-from .redis_pairs import (
-    MISS,
-    ChunkNames,
-    Expected,
-    HalfChunk,
-    Reply,
-    check_body,
-    check_head,
-    decoded,
-    tail_len,
-)
-from .redis_replies import BufferedReplies, ProtocolError, parse_bulk_size, switched_replies
+from .byte_reads import ChunkRead
+from .redis_pairs import ChunkNames, HalfChunk, body_len, check_head_size, tail_len
+from .redis_wire import ProtocolError, Wire, parse_bulk_size
+
+RANGE_BYTES = 512 << 10
+"""The most bytes one ``GETRANGE`` asks for: 8 bodies of 6 MiB came in 57-60 ms in ranges of 512
+KiB (55-59 in 1 MiB, 61-64 in 2, 64-69 in 256 KiB), 66-71 in one range each (docs/benchmarks.md)."""
 
 
-async def _read_head(wire: BufferedReplies, size: int, key: ChunkKey, shape: tuple[int, ...], dtype: torch.dtype,
-                     quantization: str = "none",
-                     ) -> tuple[serde.ChunkHeader | None, bytes, serde.ChunkFormatError | None]:
-    """Read a ``size``-byte head value (after its length line, through its CRLF): ``(header, tail,
-    None)`` if it is ``key``'s chunk of ``shape``, ``dtype`` and ``quantization``, else ``(None, b"", why)``."""
-    head = await wire.exactly(min(size, serde.HEADER_SIZE))
-    try:
-        header = check_head(head, size, key, shape, dtype, quantization)
-    except serde.ChunkFormatError as e:
-        await wire.skip(size - len(head))
-        return None, b"", e
-    tail = await wire.exactly(size - len(head))
-    await wire.crlf()
-    return header, tail, None
+@dataclass(eq=False)
+class ValueRead:
+    """One chunk's read from its two keys ``names`` into ``chunk`` (the shared ranged read).
 
+    Its destination is ``out`` if given (the caller's), else a staging object from ``staging``
+    allocated once the head and body length checked out, and then owned by whoever holds this
+    read. ``stored``: either key held a value; ``nbytes``: the bytes of the values received.
+    """
 
-# --- whole chunks ------------------------------------------------------------------------
-async def read_whole_on(conn: Any, names: Sequence[ChunkNames], wants: Sequence[Expected]) -> list[Reply]:
-    """``MGET`` each chunk's two keys ``names[i]`` on the redis-py connection ``conn`` and read the
-    replies into staging objects: each key's ``Reply`` (its ``obj`` owned by the caller)."""
-    await conn.send_packed_command(conn.pack_commands([("MGET", *n) for n in names]))
-    with switched_replies(conn) as wire:
-        return await read_pairs(wire, wants)
+    names: ChunkNames
+    chunk: ChunkRead
+    out: MemoryObj | None = None
+    staging: Arena | None = None
+    stored: bool = False
+    nbytes: int = 0
+    tail: bytes = field(default=b"", repr=False)
 
+    def __post_init__(self) -> None:
+        self.body_bytes = self.chunk.payload_len - tail_len(self.chunk.payload_len)
+        if self.out is not None:
+            self.chunk.attach(self.out.tensor)
 
-async def read_pairs(wire: BufferedReplies, wants: Sequence[Expected]) -> list[Reply]:
-    """Read one ``MGET head body`` reply per ``wants``; on any failure the objects read are released."""
-    replies: list[Reply] = []
-    try:
-        for want in wants:
-            replies.append(await _read_pair(wire, want))
-    except BaseException:
-        release_all(r.obj for r in replies if r.obj is not None)
-        raise
-    return replies
-
-
-async def _read_pair(wire: BufferedReplies, want: Expected) -> Reply:
-    line = await wire.line()
-    if line[:1] == b"-":  # e.g. NOPERM
-        return Reply(None, True, serde.ChunkFormatError(f"error reply: {line[1:-2].decode(errors='replace')[:80]}"))
-    if line != b"*2\r\n":
-        raise ProtocolError(f"unexpected reply to MGET: {line[:80]!r}")
-    head_size = await wire.bulk_size()
-    header, tail, error = (await _read_head(wire, head_size, want.key, want.shape, want.dtype, want.quantization)
-                           if head_size >= 0 else (None, b"", None))
-    size = await wire.bulk_size()
-    nbytes = max(head_size, 0) + max(size, 0)
-    if head_size < 0 and size < 0:
-        return MISS
-    if header is not None and size >= 0:
-        try:
-            check_body(header, size)
-        except serde.ChunkFormatError as e:
-            error = e
-        else:
-            return await _read_body(wire, header, size, tail, nbytes, want)
-    if size >= 0:
-        await wire.skip(size)
-    return Reply(None, True, error or HalfChunk(f"{'body' if size < 0 else 'head'} missing"), nbytes)
-
-
-async def _read_body(wire: BufferedReplies, header: serde.ChunkHeader, size: int, tail: bytes, nbytes: int,
-                     want: Expected) -> Reply:
-    """The reply for a checked head and the ``size``-byte body (then CRLF) coming next."""
-    if not header.raw:
-        payload = memoryview(bytearray(size + len(tail)))
-        await wire.into(payload[:size])
-        await wire.crlf()
-        payload[size:] = tail
-        return decoded(header, payload, nbytes, want)
-    obj = want.staging.allocate(header.shape, header.dtype)
-    if obj is None:
-        await wire.skip(size)
-        return Reply(None, True, None, nbytes)
-    try:
-        hasher = xxhash.xxh3_64()
-        dst = memoryview(obj.tensor.view(-1).view(torch.uint8).numpy())
-        await wire.into(dst[:size], hasher)
-        await wire.crlf()
-        dst[size:] = tail
-        hasher.update(tail)
-    except BaseException:
-        obj.release()
-        raise
-    if hasher.intdigest() != header.payload_checksum:
-        obj.release()
-        return Reply(None, True, serde.ChunkFormatError("payload checksum mismatch"), nbytes)
-    return Reply(obj, True, None, nbytes)
-
-
-# --- layer groups ------------------------------------------------------------------------
-class RangedValue:
-    """One chunk's read state: where its bytes go, its running checksum and its first error
-    (``header`` None and no ``error``: its head is missing, the chunk is a plain miss)."""
-
-    def __init__(self, key: ChunkKey, out: MemoryObj) -> None:
-        self.key = key
-        self.out = out
-        self.dst = out.tensor.view(-1).view(torch.uint8).numpy()
-        self.layer_bytes = len(self.dst) // out.shape[0]
-        self.body_bytes = len(self.dst) - tail_len(len(self.dst))
-        self.hasher = xxhash.xxh3_64()
-        self.header: serde.ChunkHeader | None = None
-        self.tail = b""
-        self.error: serde.ChunkFormatError | None = None
-        self.nbytes = 0
-
-    @property
-    def reading(self) -> bool:
-        """Whether its bytes still go into its chunk (its head was valid, nothing failed since)."""
-        return self.header is not None and self.error is None
-
-    def body_span(self, lo: int, hi: int) -> tuple[int, int]:
-        """The body (and payload) bytes ``[start, end)`` of layers ``[lo, hi)``, without the tail's."""
-        return min(lo * self.layer_bytes, self.body_bytes), min(hi * self.layer_bytes, self.body_bytes)
+    def body_ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The body (and payload) bytes of layers ``[lo, hi)``, without the tail's, as ranges
+        ``[start, end)`` of at most ``RANGE_BYTES`` (none when the tail holds those layers)."""
+        start, end = (min(x, self.body_bytes) for x in self.chunk.layer_span(lo, hi))
+        return [(i, min(i + RANGE_BYTES, end)) for i in range(start, end, RANGE_BYTES)]
 
     def add_tail(self, lo: int, hi: int) -> None:
-        """Copy and hash the part of layers ``[lo, hi)`` the head held (after their body bytes)."""
-        start, end = max(lo * self.layer_bytes, self.body_bytes), min(hi * self.layer_bytes, len(self.dst))
-        if self.reading and start < end:
-            piece = self.tail[start - self.body_bytes : end - self.body_bytes]
-            self.hasher.update(piece)
-            self.dst[start:end] = np.frombuffer(piece, dtype=np.uint8)
+        """Put the part of layers ``[lo, hi)`` the head held (after their body bytes) into the chunk."""
+        start, end = (max(x, self.body_bytes) for x in self.chunk.layer_span(lo, hi))
+        if self.chunk.reading and start < end:
+            self.chunk.put(start, self.tail[start - self.body_bytes : end - self.body_bytes])
 
-    def fail(self, error: serde.ChunkFormatError) -> None:
-        """Record why the chunk is not valid (its first reason is kept)."""
-        self.error = self.error or error
-
-    def verified(self) -> bool:
-        """Whether every byte arrived and matches the header's checksum (call after the last group)."""
-        if self.reading and self.header is not None:
-            if self.hasher.intdigest() == self.header.payload_checksum:
-                return True
-            self.error = serde.ChunkFormatError("payload checksum mismatch")
-        return False
+    def make_room(self) -> None:
+        """Allocate the staging object of a whole-chunk read that has none (none if the arena is full)."""
+        if self.out is None and self.staging is not None:
+            self.out = self.staging.allocate(self.chunk.shape, self.chunk.dtype)
+            if self.out is not None:
+                self.chunk.attach(self.out.tensor)
 
 
-async def read_layers_on(conn: Any, names: Sequence[ChunkNames], keys: Sequence[ChunkKey],
-                         outs: Sequence[MemoryObj], groups: Sequence[tuple[int, int]],
-                         on_group: Callable[[int], None]) -> list[RangedValue]:
-    """Send the ranged reads of the chunks ``names`` on the redis-py connection ``conn`` and fill ``outs``.
-
-    Answers each key's ``RangedValue`` (``verified()`` tells whether it holds the chunk, ``error``
-    why not; a never-started value is a missing key).
-    """
-    values = [RangedValue(k, o) for k, o in zip(keys, outs, strict=True)]
-    commands: list[tuple[Any, ...]] = [c for n in names for c in (("GET", n.head), ("STRLEN", n.body))]
+def commands(values: Sequence[ValueRead], groups: Sequence[tuple[int, int]]) -> list[tuple[Any, ...]]:
+    """The pipeline ``read_values`` reads the replies of."""
+    out: list[tuple[Any, ...]] = [c for v in values for c in (("GET", v.names.head), ("STRLEN", v.names.body),
+                                                               ("EXISTS", v.names.body))]
     for lo, hi in groups:
-        for n, v in zip(names, values):
-            start, end = v.body_span(lo, hi)
-            if start < end:  # GETRANGE's end is inclusive: an empty range cannot be asked for
-                commands.append(("GETRANGE", n.body, start, end - 1))
-    await conn.send_packed_command(conn.pack_commands(commands))
-    with switched_replies(conn) as wire:
+        # GETRANGE's end is inclusive (an empty range cannot be asked for: none is)
+        out += [("GETRANGE", v.names.body, start, end - 1) for v in values for start, end in v.body_ranges(lo, hi)]
+    return out
+
+
+async def read_values(wire: Wire, values: Sequence[ValueRead], groups: Sequence[tuple[int, int]],
+                      on_group: Callable[[int], None]) -> None:
+    """Send ``commands(values, groups)`` on ``wire`` and fill each value's chunk, calling
+    ``on_group(g)`` once group g of every chunk is in place. Afterwards ``v.chunk.verified()``
+    tells whether ``v`` holds its chunk, ``v.chunk.error`` why not."""
+    wire.send(commands(values, groups))
+    for v in values:
+        await _read_head(wire, v)
+        await _read_body_length(wire, v)
+    for g, (lo, hi) in enumerate(groups):
         for v in values:
-            await _read_head_reply(wire, v)
-            await _read_body_length(wire, v)
-        for g, (lo, hi) in enumerate(groups):
-            for v in values:
-                start, end = v.body_span(lo, hi)
-                if start < end:
-                    await _read_range(wire, v, start, end)
-                v.add_tail(lo, hi)
-            on_group(g)
-    return values
+            for start, end in v.body_ranges(lo, hi):
+                await _read_range(wire, v, start, end)
+            v.add_tail(lo, hi)
+        on_group(g)
 
 
-async def _error_or_line(wire: BufferedReplies, v: RangedValue) -> bytes | None:
-    """The next reply's first line, or None after failing ``v`` for an error reply (e.g. WRONGTYPE)."""
+async def _error_or_line(wire: Wire, v: ValueRead) -> bytes | None:
+    """The next reply's first line, or None for an error reply: a key of another type reads as
+    missing (as ``MGET`` reads it); any other error (e.g. NOPERM) fails ``v``."""
     line = await wire.line()
-    if line[:1] == b"-":
-        v.fail(serde.ChunkFormatError(f"not a string value: {line[1:80]!r}"))
-        return None
-    return line
+    if line[:1] != b"-":
+        return line
+    if not line.startswith(b"-WRONGTYPE"):
+        v.chunk.fail(serde.ChunkFormatError(f"error reply: {line[1:-2].decode(errors='replace')[:80]}"))
+    return None
 
 
-async def _read_head_reply(wire: BufferedReplies, v: RangedValue) -> None:
-    """Read a head's GET reply: a raw chunk of ``v``'s shape gives ``v`` its header and tail."""
+async def _read_head(wire: Wire, v: ValueRead) -> None:
+    """Read a head's GET reply: a raw chunk of the expected shape opens ``v``'s chunk and keeps its tail."""
     line = await _error_or_line(wire, v)
     size = -1 if line is None else parse_bulk_size(line)
     if size < 0:
         return
-    v.nbytes += size
-    header, tail, error = await _read_head(wire, size, v.key, tuple(v.out.shape), v.out.dtype)
-    if header is not None and (not header.raw or header.payload_len != len(v.dst)):
-        header, error = None, serde.ChunkFormatError("not a raw chunk of this shape")
-    if error is not None:
-        v.fail(error)
-    v.header, v.tail = header, tail
-
-
-async def _read_body_length(wire: BufferedReplies, v: RangedValue) -> None:
-    """Read a body's STRLEN reply (0: no body); a body of another size fails ``v``."""
-    line = await _error_or_line(wire, v)
-    if line is None:
-        return
-    if line[:1] != b":":
-        raise ProtocolError(f"unexpected reply to STRLEN: {line[:80]!r}")
-    size = int(line[1:-2])
-    if v.reading and v.header is not None:
-        if size == 0:
-            v.fail(HalfChunk("body missing"))
-            return
+    v.stored, v.nbytes = True, v.nbytes + size
+    head = await wire.exactly(min(size, serde.HEADER_SIZE))
+    header = v.chunk.open(head)
+    if header is not None:
         try:
-            check_body(v.header, size)
+            check_head_size(header, size)
         except serde.ChunkFormatError as e:
-            v.fail(e)
+            v.chunk.fail(e)
+    if v.chunk.error is not None:
+        await wire.skip(size - len(head))
+        return
+    v.tail = await wire.exactly(size - len(head))
+    await wire.crlf()
 
 
-async def _read_range(wire: BufferedReplies, v: RangedValue, start: int, end: int) -> None:
-    """Read one GETRANGE reply into ``v``'s chunk bytes ``[start, end)`` (or past it once ``v`` failed)."""
+async def _read_body_length(wire: Wire, v: ValueRead) -> None:
+    """Read a body's STRLEN and EXISTS replies: one string key without the other is a half
+    chunk; a body of another size fails ``v``; a whole-chunk read that checked out gets its
+    staging object."""
+    line = await _error_or_line(wire, v)
+    size = -1 if line is None else _integer(line, "STRLEN")
+    exists = await _error_or_line(wire, v)
+    there = size >= 0 and exists is not None and _integer(exists, "EXISTS") == 1  # another type: none
+    head = v.stored
+    v.stored = head or there
+    if v.chunk.error is not None or not v.stored:
+        return
+    if not head or not there:
+        v.chunk.fail(HalfChunk(f"{'body' if head else 'head'} missing"))
+    elif v.chunk.header is not None and size != body_len(v.chunk.header):
+        v.chunk.fail(serde.ChunkFormatError(f"body is {size} bytes, its header says {body_len(v.chunk.header)}"))
+    else:
+        v.make_room()
+
+
+def _integer(line: bytes, command: str) -> int:
+    if line[:1] != b":":
+        raise ProtocolError(f"unexpected reply to {command}: {line[:80]!r}")
+    return int(line[1:-2])
+
+
+async def _read_range(wire: Wire, v: ValueRead, start: int, end: int) -> None:
+    """Read one GETRANGE reply into ``v``'s payload bytes ``[start, end)`` (or past it once ``v`` failed)."""
     line = await _error_or_line(wire, v)
     if line is None:
+        if v.chunk.reading:  # the body turned into a key of another type since its STRLEN
+            v.chunk.fail(HalfChunk("body gone"))
         return
     size = parse_bulk_size(line)
-    if v.reading and size != end - start:  # the body changed since its STRLEN
-        v.fail(serde.ChunkFormatError(f"body range is {size} bytes, expected {end - start}"))
-    if not v.reading:
+    if v.chunk.reading and size != end - start:  # the body changed since its STRLEN
+        v.chunk.fail(serde.ChunkFormatError(f"body range is {size} bytes, expected {end - start}"))
+    if not v.chunk.reading:
         if size >= 0:  # a null (never from GETRANGE) has no bytes to skip
             await wire.skip(size)
         return
-    await wire.into(memoryview(v.dst)[start:end], v.hasher)
+    chunk = v.chunk
+    await wire.into(chunk.claim(start, end), lambda lo, hi: chunk.landed(start + lo, start + hi))
     await wire.crlf()
     v.nbytes += size

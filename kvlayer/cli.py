@@ -66,11 +66,12 @@ def _config(args: argparse.Namespace) -> int:
 
     from kvlayer.config import KVLayerConfig
 
-    config = KVLayerConfig.load(args.file)
-    if args.show or not args.check:
+    config = KVLayerConfig.load(args.file)  # every tier's section checked against its declaration here
+    if args.show or not args.check:  # flat keys: what `--file` takes back, each tier's settings as <tier>_<key>
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
     if not args.check:
         return 0
+    # the places of the built-in tiers, written flat (nvme_path) or in their sections (tiers: {nvme: {path: ...}})
     problems = [p for p in (_check_nvme(config.nvme_path), _check_redis(config)) if p]
     for problem in problems:
         print(f"kvlayer: error: {problem}", file=sys.stderr)
@@ -180,11 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print (or --check) the kvlayer configuration in effect "
                                            "(file + KVLAYER_* variables)")
-    config.add_argument("--file", help="a kvlayer YAML config (default: the defaults)")
-    config.add_argument("--show", action="store_true", help="print it (the default, unless --check alone)")
+    config.add_argument("--file", help="a kvlayer YAML config (default: the defaults); a tier's settings are "
+                                       "flat keys (nvme_path) or its section (tiers: {nvme: {path: ...}})")
+    config.add_argument("--show", action="store_true", help="print it, each tier's settings as flat <tier>_<key> "
+                                                             "keys (the default, unless --check alone)")
     config.add_argument("--check", action="store_true",
                         help="try its nvme_path (write and remove a probe file) and redis_url (a PING within "
-                             "tier_timeout_ms); exit 2 with one line per problem")
+                             "tier_timeout_ms), in either spelling; exit 2 with one line per problem")
     config.set_defaults(func=_config)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

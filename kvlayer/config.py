@@ -3,18 +3,27 @@
 Sources, later ones overriding earlier ones: defaults < a YAML file or a dict < ``KVLAYER_*``
 environment variables (``KVLAYER_CPU_CAPACITY=4GiB``). An unknown key, a bad value or a
 malformed YAML file raises ``ConfigError`` naming it, in one line.
+
+The core's own settings are this class's fields. The tiers' settings are declared by the tiers
+(``kvlayer.tier_settings``) and live in ``tiers``, one ``Section`` per installed tier; each is
+written either in the tier's section (``tiers: {nvme: {path: /x}}``) or flat (``nvme_path: /x``,
+also read as ``config.nvme_path``). Where one source gives both spellings of a setting, the
+section's wins (so a section merged into a ``to_dict()`` overrides it); a later source overrides
+an earlier one whichever spelling either uses.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvlayer.sizes import parse_size
+from kvlayer.tier_settings import FrozenMap, Section, TierSettings, flat_keys, installed, resolve_tiers
+from kvlayer.values import FALSE_WORDS, TRUE_WORDS, ConfigError, parse_value
+
+__all__ = ["ConfigError", "KVLayerConfig", "env_overrides"]
 
 ENV_PREFIX = "KVLAYER_"
 COMPRESSIONS = ("none", "lz4")
@@ -23,32 +32,25 @@ QUANTIZATIONS = ("none", "int8", "fp8")
 INSTANCE_ROLES = ("both", "prefill", "decode")
 """What an instance does in prefill/decode disaggregation (``instance_role``): ``prefill`` computes
 prompts only (decode instances read its KV through the shared tier), ``decode`` generates."""
+TIERS = "tiers"
+"""The key of the tiers' sections."""
 
 
-class ConfigError(ValueError):
-    """A configuration key is unknown or its value is invalid; the message names it."""
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class KVLayerConfig:
     """kvlayer's settings. Sizes are bytes (strings like "4GiB" are accepted on construction).
 
-    A capacity of 0 disables that tier; ``nvme_path``/``redis_url`` of None disable theirs.
+    ``KVLayerConfig(**values)`` takes the fields below, ``tiers`` (tier name -> its settings) and
+    any tier's flat keys (``cpu_capacity=0``, ``nvme_path="/x"``); ``ConfigError`` for anything
+    else. ``tiers`` then holds a ``Section`` for every installed tier that declares settings,
+    defaults filled in, and ``config.<tier>_<key>`` reads one of them.
     """
 
     chunk_size: int = 256
-    gpu_capacity: int = 0
-    cpu_capacity: int = 4 * 1024**3
-    nvme_path: str | None = None
-    nvme_capacity: int = 64 * 1024**3
-    nvme_fsync: bool = False
-    redis_url: str | None = None
-    redis_cluster: bool = False
-    redis_ttl_s: int = 0
-    redis_key_prefix: str = "kvlayer"
     compression: str = "none"
+    """``none`` or ``lz4``: how serialising tiers compress payloads."""
     storage_quantization: str = "none"
-    """One of ``QUANTIZATIONS``: lossy int8/fp8 payloads in NVMe and Redis (``kvlayer.quantize``)."""
+    """One of ``QUANTIZATIONS``: lossy int8/fp8 payloads in serialising tiers (``kvlayer.quantize``)."""
     save_decode_cache: bool = False
     save_partial_chunks: bool = False
     window_aware: bool = True
@@ -70,11 +72,20 @@ class KVLayerConfig:
     cache_salt: str = ""
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
+    tiers: Mapping[str, Section] = field(default_factory=FrozenMap)
+    """Tier name -> its ``Section`` (``kvlayer.tier_settings``): frozen, every declared setting typed."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, **values: Any) -> None:
+        declared = installed()
+        given = _canonical(values, declared)
         for f in fields(self):
-            value = getattr(self, f.name)
-            object.__setattr__(self, f.name, _coerce(f.name, f.type, value))
+            if f.name != TIERS:
+                object.__setattr__(self, f.name, _coerce(f.name, _FIELD_KINDS.get(f.name, str(f.type)),
+                                                         given.get(f.name, f.default)))
+        object.__setattr__(self, TIERS, resolve_tiers(given[TIERS], declared))
+        self._validate()
+
+    def _validate(self) -> None:
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
         if self.compression not in COMPRESSIONS:
@@ -86,8 +97,6 @@ class KVLayerConfig:
             raise ConfigError(f"instance_role must be one of {INSTANCE_ROLES}, got {self.instance_role!r}")
         if self.tier_timeout_ms <= 0:
             raise ConfigError(f"tier_timeout_ms must be positive, got {self.tier_timeout_ms}")
-        if self.redis_ttl_s < 0:
-            raise ConfigError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
         if self.unhealthy_after <= 0:
             raise ConfigError(f"unhealthy_after must be positive, got {self.unhealthy_after}")
         if not 0 < self.unhealthy_backoff_ms <= self.unhealthy_backoff_max_ms:
@@ -95,21 +104,26 @@ class KVLayerConfig:
                               f"{self.unhealthy_backoff_ms} and {self.unhealthy_backoff_max_ms}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+
+    def __getattr__(self, name: str) -> Any:
+        """A tier's setting by its flat key (``config.nvme_path`` is ``config.tiers["nvme"]["path"]``)."""
+        if not name.startswith("_"):
+            for tier, section in object.__getattribute__(self, TIERS).items():
+                key = name[len(tier) + 1:]
+                if name.startswith(f"{tier}_") and key in section:
+                    return section[key]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # --- constructors -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVLayerConfig:
-        """From a mapping of key -> value; unknown keys raise ``ConfigError``."""
-        known = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"unknown kvlayer config key {key!r}; known keys: {sorted(known)}")
-        return cls(**dict(data))
+        """From a mapping of key -> value (fields, flat tier keys, ``tiers``); unknown keys raise ``ConfigError``."""
+        return cls(**_canonical(data, installed()))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> KVLayerConfig:
+        """From a YAML file holding a mapping of keys, as ``from_dict``; ``ConfigError`` naming the file
+        for text that is not UTF-8, malformed YAML or not a mapping."""
         import yaml
 
         try:
@@ -127,31 +141,81 @@ class KVLayerConfig:
              env: Mapping[str, str] | None = None) -> KVLayerConfig:
         """From a config, a dict or a YAML path (or defaults), then ``KVLAYER_*`` overrides."""
         if isinstance(source, KVLayerConfig):
-            base = dataclasses.asdict(source)
+            base = source.to_dict()
         elif isinstance(source, Mapping):
             base = dict(source)
         elif source is None:
             base = {}
         else:
-            base = dataclasses.asdict(cls.from_yaml(source))
-        base.update(env_overrides(os.environ if env is None else env))
-        return cls.from_dict(base)
+            base = cls.from_yaml(source).to_dict()
+        declared = installed()
+        under = _canonical(base, declared)
+        over = _canonical(env_overrides(os.environ if env is None else env), declared)
+        sections = {t: {**under[TIERS].get(t, {}), **over[TIERS].get(t, {})} for t in {*under[TIERS], *over[TIERS]}}
+        return cls(**{**under, **over, TIERS: sections})
 
     def replace(self, **changes: Any) -> KVLayerConfig:
         """A new config with ``changes`` applied (this one is never mutated)."""
-        return KVLayerConfig.from_dict({**dataclasses.asdict(self), **changes})
+        return KVLayerConfig.from_dict({**self.to_dict(), **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting as a plain dict: the fields, then each tier's under its flat keys (no ``tiers``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != TIERS}
+        for _, section in sorted(self.tiers.items()):
+            out.update(section.flat())
+        return out
+
+
+def _canonical(data: Mapping[str, Any], declared: Mapping[str, TierSettings]) -> dict[str, Any]:
+    """``data`` with its flat tier keys moved into ``tiers`` (tier -> key -> value), the section's
+    value kept where both spellings are given; ``ConfigError`` naming an unknown key."""
+    flat = flat_keys(declared)
+    out: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in data.items():
+        if key in flat:
+            tier, name = flat[key]
+            sections.setdefault(tier, {})[name] = value
+        elif key in _FIELDS and key != TIERS:
+            out[key] = value
+        elif key != TIERS:
+            known = sorted({*_FIELDS, *flat})
+            raise ConfigError(f"unknown kvlayer config key {key!r}; known keys: {known}")
+    for tier, section in _sections(data.get(TIERS)).items():
+        sections.setdefault(tier, {}).update(section)
+    out[TIERS] = sections
+    return out
+
+
+def _sections(value: Any) -> dict[str, Mapping[str, Any]]:
+    """The ``tiers`` value as tier -> its given settings (a string is YAML: ``KVLAYER_TIERS``)."""
+    if isinstance(value, str):
+        import yaml
+
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"tiers: malformed YAML: {_yaml_problem(e)}") from None
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"tiers must be a mapping of tier names to their settings, got {value!r}")
+    out = {}
+    for tier, section in value.items():
+        if section is not None and not isinstance(section, Mapping):
+            raise ConfigError(f"tiers.{tier} must be a mapping of setting names to values, got {section!r}")
+        out[tier] = section or {}
+    return out
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
     """The ``KVLAYER_<KEY>`` variables of ``env`` as config keys; unknown ones raise ``ConfigError``.
 
-    Variables that name no config key but belong to other parts of kvlayer are ignored
-    (``KVLAYER_ADMIN_TOKEN`` for the controller, ``KVLAYER_HOME`` for the CLI).
+    ``<KEY>`` is a field or a tier's flat key (``KVLAYER_NVME_PATH``); ``KVLAYER_TIERS`` is a YAML
+    mapping of sections. Variables that name no config key but belong to other parts of kvlayer
+    are ignored (``KVLAYER_ADMIN_TOKEN`` for the controller, ``KVLAYER_HOME`` for the CLI).
     """
-    known = {f.name for f in fields(KVLayerConfig)}
+    known = {*_FIELDS, *flat_keys(installed())}
     out = {}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name in _NOT_CONFIG:
@@ -163,8 +227,10 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+_FIELDS = frozenset(f.name for f in fields(KVLayerConfig))
+_FIELD_KINDS = {"staging_capacity": "size"}
+"""Fields whose kind (``kvlayer.values.KINDS``) is not their annotation."""
 _NOT_CONFIG = {"KVLAYER_ADMIN_TOKEN", "KVLAYER_HOME", "KVLAYER_LOG_LEVEL", "KVLAYER_SMOKE"}
-_SIZE_KEYS = {"gpu_capacity", "cpu_capacity", "nvme_capacity", "staging_capacity"}
 LAYERWISE = ("auto", "on", "off")
 """How loads reach the paged cache: ``on`` (the default), layer by layer on a loader thread while
 the forward pass runs; ``off``, all of it before the forward pass; ``auto``, layer by layer on
@@ -173,43 +239,12 @@ memory tier, where a loader thread has no I/O to hide and only shares the cores 
 On 2 CPU cores ``on`` measured level with or ahead of ``off`` for every tier
 (docs/benchmarks.md), so it is the default. Saves copy layer by layer unless ``off``."""
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
-
-def _coerce(name: str, type_: Any, value: Any) -> Any:
-    """Validate one field and convert strings (from YAML or the environment) to its type."""
-    t = str(type_)
-    optional = "None" in t
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
-        if optional:
-            return None
-        raise ConfigError(f"{name} must not be empty")
-    if name == "layerwise":
+def _coerce(name: str, kind: str, value: Any) -> Any:
+    """Validate one field and convert strings (from YAML or the environment) to its kind."""
+    if name == "layerwise" and value is not None:
         return _layerwise(value)
-    if name in _SIZE_KEYS:
-        try:
-            return parse_size(value)
-        except ValueError as e:  # its message says what is wrong: keep it
-            raise ConfigError(f"invalid value for {name}: {e}") from None
-    try:
-        if t.startswith("bool"):
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-                return value.lower() in _TRUE
-            raise ValueError
-        if t.startswith("int"):
-            if isinstance(value, bool):
-                raise ValueError
-            return int(value) if isinstance(value, int) or str(value).strip().lstrip("-").isdigit() else _bad()
-        if t.startswith("str"):
-            if not isinstance(value, str | int) or isinstance(value, bool):
-                raise ValueError
-            return str(value)
-    except ValueError as e:
-        raise ConfigError(f"invalid value for {name}: {value!r} (expected {t})") from e
-    return value
+    return parse_value(name, kind, value)
 
 
 def _layerwise(value: Any) -> str:
@@ -218,13 +253,9 @@ def _layerwise(value: Any) -> str:
     text = str(value).lower() if isinstance(value, str) else ""
     if text in LAYERWISE:
         return text
-    if text in _TRUE | _FALSE:
-        return "on" if text in _TRUE else "off"
+    if text in TRUE_WORDS | FALSE_WORDS:
+        return "on" if text in TRUE_WORDS else "off"
     raise ConfigError(f"invalid value for layerwise: {value!r} (expected one of {LAYERWISE}, or a boolean)")
-
-
-def _bad() -> Any:
-    raise ValueError
 
 
 def _yaml_problem(error: Exception) -> str:

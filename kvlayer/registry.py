@@ -2,31 +2,22 @@
 
 The core never imports a backend by name (docs/architecture.md section 1): ``build_backends``
 loads each entry point, calls ``cls.create(ctx)`` and keeps the tiers the configuration
-enables, top tier first. Built-in tiers that the configuration plainly disables (no
-``redis_url``, no ``nvme_path``, capacity 0) are not even imported, so a process without
-Redis never imports ``redis``.
+enables, top tier first. A tier whose declared settings (``kvlayer.tier_settings``) say the
+configuration disables it (no URL, no folder, capacity 0) is not even imported, so a tier's
+optional dependency is imported only by a process that uses the tier. Tiers are known here by
+their entry point names only.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
-from kvlayer.config import KVLayerConfig
 from kvlayer.storage import BackendContext, StorageBackend
 
 log = logging.getLogger(__name__)
 
 GROUP = "kvlayer.backends"
-
-_ENABLED_BY: dict[str, Callable[[KVLayerConfig], bool]] = {
-    "gpu": lambda c: c.gpu_capacity > 0,
-    "cpu": lambda c: c.cpu_capacity > 0,
-    "nvme": lambda c: c.nvme_path is not None,
-    "redis": lambda c: c.redis_url is not None,
-}
-"""For built-in tiers: whether the configuration may enable them (``create`` has the final say)."""
 
 
 class BackendLoadError(ImportError):
@@ -41,15 +32,16 @@ def available_backends() -> dict[str, EntryPoint]:
 def build_backends(ctx: BackendContext) -> list[StorageBackend]:
     """The tiers ``ctx.config`` enables, sorted by ``rank`` (top tier first).
 
-    Raises ``BackendLoadError`` naming the tier when an enabled built-in tier (or a
-    third-party tier, whose enablement cannot be told without importing it) fails to import,
+    A tier is skipped unimported when its section of the config (``ctx.config.tiers``) says it
+    is disabled (``Section.enabled``); a tier that declares no settings is always imported.
+    Raises ``BackendLoadError`` naming the tier when an enabled tier fails to import,
     ``TypeError`` if an entry point is not a ``StorageBackend`` subclass, and whatever
     ``create`` raises for a bad setting (``ValueError`` naming it).
     """
     built: list[StorageBackend] = []
     for name, ep in sorted(available_backends().items()):
-        enabled = _ENABLED_BY.get(name)
-        if enabled is not None and not enabled(ctx.config):
+        section = ctx.config.tiers.get(name)
+        if section is not None and not section.enabled:
             continue
         cls = _load(name, ep)
         backend = cls.create(ctx)

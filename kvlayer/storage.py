@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +37,7 @@ from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj, release_all
 
 log = logging.getLogger("kvlayer.backends")
+_NO_SETTINGS: Mapping[str, Any] = MappingProxyType({})
 
 
 def check_batch(keys: Sequence[ChunkKey], chunks: Sequence[MemoryObj], layout: KVLayout) -> None:
@@ -55,7 +57,8 @@ class BackendContext:
     """What a backend is built from.
 
     ``staging`` is the host arena that serialising tiers land reads in (shared, internal, not
-    a cache tier). ``device`` is the engine's device (the GPU tier's arena lives there).
+    a cache tier). ``device`` is the engine's device (the GPU tier's arena lives there). A tier
+    reads its own settings with ``tier_settings(cls.name)``; ``config`` holds the core's.
     """
 
     config: KVLayerConfig
@@ -64,6 +67,13 @@ class BackendContext:
     staging: Arena
     instance_id: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+
+    def tier_settings(self, tier: str) -> Mapping[str, Any]:
+        """Tier ``tier``'s own section of the config (``config.tiers[tier]``): every setting its
+        ``kvlayer.tier_settings`` declaration names, typed and validated, defaults filled in, keyed
+        by the names inside the section (``"path"``, not ``"nvme_path"``). Read-only. An empty
+        mapping for a tier that declares no settings."""
+        return self.config.tiers.get(tier, _NO_SETTINGS)
 
 
 class TierListener(Protocol):

@@ -1,4 +1,5 @@
-"""``kvlayer config --check``: tries ``nvme_path`` (a probe file) and ``redis_url`` (a PING).
+"""``kvlayer config --check``: tries ``nvme_path`` (a probe file) and ``redis_url`` (a PING), written
+flat or in their tier's section (``tiers: {nvme: {path: ...}}``).
 
 Each problem is one line on stderr and the exit status is 2; places that work exit 0 and
 leave nothing behind (the probe file and any folder the check made are removed).
@@ -95,3 +96,17 @@ def test_a_live_redis_answers(tmp_path, capsys):
 def test_without_places_there_is_nothing_to_try(tmp_path, capsys):
     code, out, _ = check(tmp_path, capsys, "cpu_capacity: 1GiB\n")
     assert code == 0 and out == "kvlayer config: no nvme_path or redis_url to try\n"
+
+
+def test_a_tiers_section_is_tried_as_its_flat_keys_are(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    code, out, err = check(tmp_path, capsys, f"tiers:\n  nvme:\n    path: {tmp_path / 'kv'}\n")
+    assert (code, err) == (0, "") and out == "kvlayer config: nvme_path usable\n"
+    code, _, err = check(tmp_path, capsys, f"tiers:\n  nvme:\n    path: {tmp_path / 'a-file'}\n")
+    assert code == 2 and err.startswith("kvlayer: error: nvme_path ") and err.count("\n") == 1
+
+
+def test_an_unknown_key_of_a_tier_is_one_line_and_exit_2(tmp_path, capsys):
+    code, out, err = check(tmp_path, capsys, "tiers:\n  redis:\n    uri: redis://127.0.0.1\n")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("kvlayer: error: unknown setting 'uri' of tier 'redis' (tiers.redis.uri)")

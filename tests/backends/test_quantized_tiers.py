@@ -95,7 +95,7 @@ def test_nvme_serves_its_own_encoding_only(tmp_path: Path, stored: str, reader: 
 def test_redis_serves_its_own_encoding_only(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
                                             replies: str, stored: str, reader: str) -> None:
     if replies == "redis-py":
-        redis_tests.without_buffered_reader(monkeypatch)
+        redis_tests.through_redis_py(monkeypatch)
     check_tier(lambda q: redis_tests.make_backend(redis_server.url, storage_quantization=q), redis_tests.put_keys,
                stored, reader)
 

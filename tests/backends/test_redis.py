@@ -1,11 +1,11 @@
 """Tests of the Redis tier (backends/redis.py) against throwaway servers: round trips (through
-the tier's reply reader and through redis-py's), the two-key layout and its memory per KV
+the tier's fast read path and through redis-py), the two-key layout and its memory per KV
 byte, TTL, prefix lookups, put checks, a full staging arena and usage.
 
 Run: ``.venv/bin/python -m pytest tests/backends/test_redis.py`` (skips without redis-server).
 The helpers defined here are reused by the other ``test_redis_*.py`` files: connections (a
 second process, ACL passwords, TLS) in ``test_redis_connections.py``, fault injection in
-``test_redis_faults.py``, reads through the reply reader in ``test_redis_reads.py``.
+``test_redis_faults.py``, the fast read path in ``test_redis_reads.py``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ CHUNK = 16
 CHUNK_BYTES = LAYOUT.chunk_bytes(CHUNK)
 ROOT = str(Path(__file__).parents[2])
 """The repository root (a child process imports the tests from it)."""
-READERS = ["buffered", "redis-py"]
-"""How whole chunks are read: by the tier's reply reader, or by redis-py (``without_buffered_reader``)."""
+READERS = ["ours", "redis-py"]
+"""How chunks are read: by the tier's fast path over its own connections, or by redis-py (``through_redis_py``)."""
 
 
 # --- helpers (also used by test_redis_faults.py and the child process) -------------------
@@ -85,15 +85,14 @@ def tls_server(folder: Path) -> Iterator[str]:
         server.close()
 
 
-def without_buffered_reader(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the tier read as on a Python whose StreamReader lacks the internals its reply reader
-    needs (``redis_replies.SUPPORTED`` false): every read through redis-py's parser."""
+def through_redis_py(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the tier read raw chunks as it reads those of cluster mode and of compressed or
+    quantized tiers (``RedisBackend.ranged_reads`` false): whole, through redis-py's ``MGET``."""
     def refuse(*args: Any) -> None:
-        raise AssertionError("the buffered reply reader ran")
+        raise AssertionError("the fast read path ran")
 
-    monkeypatch.setattr(redis_backend, "buffered_replies", False)
-    monkeypatch.setattr(redis_backend, "read_whole_on", refuse)
-    monkeypatch.setattr(redis_backend, "read_layers_on", refuse)
+    monkeypatch.setattr(RedisBackend, "ranged_reads", property(lambda self: False))
+    monkeypatch.setattr(redis_backend, "read_values", refuse)
 
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -184,7 +183,7 @@ def test_importing_the_backend_does_not_import_redis() -> None:
 def test_round_trip_is_exact(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, compression: str,
                              reader: str) -> None:
     if reader == "redis-py":
-        without_buffered_reader(monkeypatch)
+        through_redis_py(monkeypatch)
     keys = keys_of(5)
 
     async def main() -> None:

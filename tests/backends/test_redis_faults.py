@@ -6,7 +6,7 @@ that into misses), never hang; the same backend object serves hits again once th
 back. A corrupted value, in either of a chunk's two keys, is a miss and a ``checksum_errors``
 count, never wrong data, and both keys are deleted; a chunk that lost one of its keys (Redis
 evicts and expires keys one by one) is a miss and a ``half_chunks`` count, deleted too, and can
-be stored again; both whether the tier's reply reader or redis-py's parser read the values. In
+be stored again; both whether the tier's fast read path or redis-py reads the values. In
 a cluster, a dead node's chunks fail fast while the other nodes' chunks still read.
 Run: ``.venv/bin/python -m pytest tests/backends/test_redis_faults.py`` (skips without redis-server).
 """
@@ -37,7 +37,7 @@ from tests.backends.test_redis import (
     sampled_usage,
     store_bytes,
     sync_client,
-    without_buffered_reader,
+    through_redis_py,
 )
 from tests.redis_server import RedisClusterNodes, RedisServer
 
@@ -236,7 +236,7 @@ HALVES: dict[str, Corruption] = {
 def test_corrupted_value_is_a_counted_miss(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, name: str,
                                            reader: str) -> None:
     if reader == "redis-py":
-        without_buffered_reader(monkeypatch)
+        through_redis_py(monkeypatch)
     keys = keys_of(4)
     victim, other = keys[1], keys[2]
     client = sync_client(redis_server.url)

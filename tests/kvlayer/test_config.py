@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -93,6 +94,10 @@ def test_frozen_and_replace_returns_a_new_config() -> None:
     with pytest.raises(ConfigError, match="nope"):
         cfg.replace(nope=1)
     assert KVLayerConfig.from_dict(cfg.to_dict()) == cfg
+    assert hash(cfg) == hash(KVLayerConfig.load(None, env={})), "hashable, by value"
+    assert copy.deepcopy(cfg) == cfg and copy.copy(cfg.replace(nvme_path="/x")).nvme_path == "/x"
+    with pytest.raises(TypeError):
+        cfg.tiers["cpu"]["capacity"] = 1  # type: ignore[index]
 
 
 def test_backoff_settings_are_checked() -> None:

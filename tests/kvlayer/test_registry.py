@@ -8,11 +8,12 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from kvlayer import registry
+from kvlayer import config, registry
 from kvlayer.backends.cpu import CpuBackend
 from kvlayer.backends.gpu import GpuBackend
 from kvlayer.registry import GROUP, BackendLoadError, available_backends, build_backends
 from kvlayer.storage import BackendContext
+from kvlayer.tier_settings import Setting, TierSettings, installed
 from tests.fakes import CHUNK_BYTES, FakeBackend, context
 
 
@@ -70,6 +71,31 @@ def test_third_party_tiers_are_built_and_checked(monkeypatch) -> None:
         build_backends(context())
 
 
+class ShelfBackend(FakeBackend):
+    """A third-party tier that declares a setting: built with as many slots as its section says."""
+
+    @classmethod
+    def create(cls, ctx: BackendContext) -> ShelfBackend:
+        backend = cls(ctx.staging, name="shelf", rank=40)
+        backend.slots = ctx.tier_settings("shelf")["slots"]
+        return backend
+
+
+SHELF = TierSettings((Setting("slots", "int", 0),), enabled=lambda s: s["slots"] > 0)
+
+
+def test_a_third_party_tier_gets_its_section_and_is_not_imported_when_it_disables_it(monkeypatch) -> None:
+    monkeypatch.setattr(config, "installed", lambda: {**installed(), "shelf": SHELF})
+    install(monkeypatch, shelf=f"{__name__}:ShelfBackend")
+    (built,) = build_backends(context(tiers={"shelf": {"slots": "3"}}))
+    assert built.name == "shelf" and built.slots == 3
+    assert [b.slots for b in build_backends(context(shelf_slots=5))] == [5], "the flat spelling"
+    install(monkeypatch, shelf="no_such_shelf_module:Shelf")
+    assert build_backends(context()) == [], "disabled by its section: not imported"
+    with pytest.raises(BackendLoadError, match="'shelf'"):
+        build_backends(context(shelf_slots=1))
+
+
 def test_a_bad_setting_raises_from_create() -> None:
     with pytest.raises(ValueError, match="cpu_capacity"):
         build_backends(context(cpu_capacity=CHUNK_BYTES // 2))
@@ -84,4 +110,5 @@ def test_redis_is_not_imported_without_a_redis_url() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          check=True)
     loaded = out.stdout.strip().splitlines()[-1]
-    assert loaded == "['kvlayer.backends.cpu', 'kvlayer.backends.gpu', 'kvlayer.backends.memory_tier']"
+    assert loaded == ("['kvlayer.backends.cpu', 'kvlayer.backends.gpu', 'kvlayer.backends.memory_tier', "
+                      "'kvlayer.backends.settings']"), "of nvme and redis, only their light settings are loaded"
