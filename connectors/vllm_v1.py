@@ -6,8 +6,8 @@
 
 vLLM builds one instance per role: the scheduler's in its engine-core process
 (``vllm_scheduler.SchedulerSide``) and one per worker (``vllm_worker.WorkerSide``, which owns
-the tiers). They share only vLLM's per-step metadata (``vllm_meta``) and the lookup channel
-(``vllm_lookup``). This class translates vLLM's interface (``KVConnectorBase_V1``, as installed)
+the tiers). They share only vLLM's per-step metadata (the step layer's ``StepSpec``) and the lookup channel
+(``lookup_channel``). This class translates vLLM's interface (``KVConnectorBase_V1``, as installed)
 into those two and nothing more (docs/architecture.md section 10). Loads are synchronous, layer
 by layer where ``layerwise`` says so; saves copy out within the step, so a finished request's
 blocks are never held (``request_finished`` answers False). With vLLM's KV-cache events on
@@ -31,12 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
-from kvlayer.connectors.vllm_events import Stored, TierEvent
-from kvlayer.connectors.vllm_lookup import LookupClient, socket_path
-from kvlayer.connectors.vllm_meta import StepMetadata
+from kvlayer.connectors.lookup_channel import LookupClient, socket_path
 from kvlayer.connectors.vllm_scheduler import SchedulerSide
 from kvlayer.connectors.vllm_setup import cache_layout, check_block_size, kvlayer_config, model_identity
 from kvlayer.connectors.vllm_worker import WorkerSide
+from kvlayer.step import StepSpec
+from kvlayer.tier_events import Stored, TierEvent
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class KVLayerKVEvents(KVConnectorKVEvents):
 
 
 def vllm_events(records: Sequence[TierEvent], chunk_size: int) -> list[KVCacheEvent]:
-    """vLLM's events for kvlayer's tier records (``vllm_events``): a ``BlockStored`` per stored
+    """vLLM's events for kvlayer's tier records (``kvlayer.tier_events``): a ``BlockStored`` per stored
     run, one "block" per chunk of ``chunk_size`` tokens, and a ``BlockRemoved`` per removed run.
     The hashes are kvlayer's chunk digests as vLLM's ``maybe_convert_block_hash`` turns its own
     into event hashes (the low 64 bits as an int by default; the bytes with
@@ -180,7 +180,7 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and isinstance(connector_metadata, StepMetadata):
+        if self._worker is not None and isinstance(connector_metadata, StepSpec):
             self._worker.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

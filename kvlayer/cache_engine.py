@@ -1,19 +1,24 @@
 """``KVCacheEngine``: kvlayer's engine-agnostic API (docs/architecture.md section 5).
 
 For any engine with a paged KV cache: ``lookup`` how many prefix tokens kvlayer holds,
-``store`` a sequence's chunks out of the paged cache, ``retrieve`` them back into it. The
-bundled engine's connector is built on the same parts (its ``LoadJob``/``SaveJob`` run over
-this object's ``tiers`` and ``staging``); other engines call it directly. ``store`` and
-``retrieve`` are one ``SaveJob`` and one ``LoadJob``: there is one save path and one load path.
+``store`` a sequence's chunks out of the paged cache, ``retrieve`` them back into it, or, per
+engine step, ``start_step`` a step's loads and saves layer by layer (``kvlayer.step``). It is
+the facade over the tiers, the staging memory and the step layer (docs/architecture.md
+section 13): every adapter (the bundled connector, vLLM's) and ``store``/``retrieve`` go
+through the same ``StepTransfer``, so there is one save path and one load path, and nothing
+outside the core reaches the tiers or the staging.
 
-Threading: call it from one engine thread; storage I/O runs on its own background loop.
+Threading: call it from one engine thread (``lookup`` and ``forget`` from any); storage I/O
+runs on its own background loop, layer-by-layer loads on a loader thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,14 +31,13 @@ from kvlayer.io_loop import IOLoop
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
 from kvlayer.layout import KVLayout
 from kvlayer.metrics import Metrics
-from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob
 from kvlayer.read_plan import layer_groups
 from kvlayer.registry import build_backends
 from kvlayer.staging import Staging
-from kvlayer.storage import BackendContext, StorageBackend
-from kvlayer.tier_manager import LookupResult, TierManager
-from kvlayer.transfer import wait_for_copies
-from kvlayer.windows import Found, find_prefix, save_keys
+from kvlayer.step import LoadSpec, SaveSpec, StepContext, StepSpec, StepTransfer
+from kvlayer.storage import BackendContext, StorageBackend, TierListener
+from kvlayer.tier_manager import TierManager
+from kvlayer.windows import Found, find_prefix
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +54,9 @@ class KVCacheEngine:
     ``backends`` overrides the tiers built from the config (tests, custom tiers). ``ValueError``
     for a device this machine lacks, ``ConfigError`` for a bad setting.
 
-    What an engine adapter builds its own ``LoadJob``/``SaveJob`` over: ``tiers`` (the
-    ``TierManager``), ``chunk_staging`` (the ``Staging``; ``staging`` is its arena) and
-    ``groups`` (the layer groups lower tiers' reads arrive in).
+    ``tiers`` (the ``TierManager``), ``chunk_staging`` (the ``Staging``; ``staging`` is its
+    arena) and ``groups`` (the layer groups lower tiers' reads arrive in) are the core's own:
+    adapters use the methods below.
     """
 
     def __init__(self, config: KVLayerConfig | dict[str, Any] | str | os.PathLike[str] | None,
@@ -78,6 +82,10 @@ class KVCacheEngine:
         self.groups = [(0, layout.num_layers)] if split else layer_groups(
             layout.num_layers, layout.chunk_bytes(self.config.chunk_size) // layout.num_layers)
         self.tiers.warm_up()
+        self._known: dict[str, list[ChunkKey]] = {}
+        self._keys_lock = threading.Lock()
+        self._loader: ThreadPoolExecutor | None = None
+        self._streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
         self._exposed = bool(self.config.metrics_port) and expose(
             self.metrics, self.config.metrics_host, self.config.metrics_port)
         self._closed = False
@@ -89,76 +97,107 @@ class KVCacheEngine:
         ns = self.namespace.with_salt(cache_salt)
         return chunk_keys(ns, token_ids, self.config.save_partial_chunks, prefix)
 
+    def _request_keys(self, request_id: str | None, token_ids: Sequence[int], salt: str | None) -> list[ChunkKey]:
+        """``keys``; for a tracked request each full chunk's key is computed once and kept until
+        ``forget`` (its tokens only grow). Thread-safe (vLLM's lookup channel answers on its own)."""
+        if request_id is None:
+            return self.keys(token_ids, salt)
+        with self._keys_lock:
+            known = self._known.get(request_id, [])
+        keys = self.keys(token_ids, salt, prefix=known)
+        full = [k for k in keys if k.num_tokens == self.config.chunk_size]
+        if len(full) > len(known):
+            with self._keys_lock:
+                self._known[request_id] = full
+        return keys
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop the keys kept for ``request_ids`` (finished or aborted requests)."""
+        with self._keys_lock:
+            for rid in request_ids:
+                self._known.pop(rid, None)
+
     # ----- the API ----------------------------------------------------------------------
-    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of ``token_ids`` kvlayer can supply (no data moved)."""
-        return self.lookup_keys(self.keys(token_ids, cache_salt))
-
-    def lookup_keys(self, keys: Sequence[ChunkKey]) -> int:
-        """``lookup`` for keys already computed: how many leading tokens of them kvlayer holds."""
-        return self.find(keys).num_tokens
-
-    def find(self, keys: Sequence[ChunkKey], record: bool = True) -> LookupResult:
-        """The held prefix of ``keys`` and the tier each of its chunks is in (no data moved); a
-        ``LoadItem`` built from its ``sources`` reads each chunk from there. ``record=False``
-        leaves the lookup counters alone."""
-        return self.tiers.lookup(keys, record)
-
-    def find_prefix(self, keys: Sequence[ChunkKey], start: int, limit: int, record: bool = True) -> Found:
-        """The prefix of chunk ``keys`` a request holding ``start`` tokens can load, up to ``limit``
-        tokens, and the chunk objects to read for it (``kvlayer.windows.find_prefix``: for a
-        layout with sliding windows, only what its layers can still attend to)."""
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None, *, start: int = 0,
+               limit: int | None = None, request_id: str | None = None, record: bool = True) -> Found:
+        """The prefix of ``token_ids`` kvlayer can load (no data moved): ``Found.num_tokens``
+        leading tokens, at most ``limit`` (default: all), for a request that holds its first
+        ``start`` already, and the chunk objects to read with their tiers. With sliding windows
+        (``KVLayout.layer_windows``) only what the layers can still attend to is asked for
+        (``kvlayer.windows.find_prefix``), so this is exactly what ``retrieve`` loads.
+        ``request_id`` keeps the request's keys for later calls (``forget`` drops them);
+        ``record=False`` leaves the lookup counters alone. The one lookup of every adapter."""
+        keys = self._request_keys(request_id, token_ids, cache_salt)
+        limit = len(token_ids) if limit is None else min(limit, len(token_ids))
         return find_prefix(self.tiers, self.layout, keys, start, limit, record)
 
+    def start_step(self, spec: StepSpec, caches: Sequence[torch.Tensor]) -> StepTransfer:
+        """Start one engine step's loads and prepare its saves over ``caches`` (one paged view
+        per layer, as ``layout.paged_view`` gives them); see ``kvlayer.step``. Keys come from the
+        requests' kept keys (``lookup(request_id=...)``). Never raises for a tier failure."""
+        return StepTransfer(self._step_context(), spec, caches)
+
+    def _step_context(self, keys: list[ChunkKey] | None = None) -> StepContext:
+        """The step layer's view of this engine; ``keys``: those of a one-off transfer's tokens."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-load")
+            if self.device.type == "cuda":
+                self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return StepContext(self.tiers, self.chunk_staging, self.groups, self.layout, self.device,
+                           self.config.layerwise, self._request_keys if keys is None else lambda *_: keys,
+                           self._relookup, self._loader,
+                           self._streams, torch.get_num_threads())
+
+    def _relookup(self, keys: Sequence[ChunkKey], start: int, limit: int) -> Found:
+        return find_prefix(self.tiers, self.layout, keys, start, limit, False)
+
     def store(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
-              cache_salt: str | None = None, keys: Sequence[ChunkKey] | None = None) -> int:
+              cache_salt: str | None = None) -> int:
         """Store the chunks of ``token_ids`` whose KV sits in ``kv_caches`` at ``slot_mapping``.
 
         ``kv_caches``: one per layer, laid out as ``layout.paged_view`` sees them (the engine's own
         tensors for the default layout). ``slot_mapping`` holds one slot per token of
         ``token_ids`` (int64, caches' device), or one block id per block for a layout of opaque
         blocks (``KVLayout.copy_unit``).
-        Chunks already held are skipped. Returns how many chunks were handed to the tiers;
-        lower tiers are written in the background. Never raises for a tier failure;
+        Chunks already held are skipped. Returns how many chunk objects were handed to the
+        tiers; lower tiers are written in the background. Never raises for a tier failure;
         ``ValueError`` if ``slot_mapping`` is too short.
         """
-        keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
+        keys = self.keys(token_ids, cache_salt)
         if not keys:
             return 0
-        need = -(-keys[-1].end // self.layout.copy_unit)
-        if len(slot_mapping) < need:
-            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {keys[-1].end} tokens (needs {need})")
-        # on the caller's thread with nothing computing beside it: the gather may share its chunks
-        # among as many threads as torch uses
-        job = SaveJob(self.tiers, self.chunk_staging, [SaveItem("store", tuple(save_keys(self.layout, keys)),
-                                                                slot_mapping)], threads=torch.get_num_threads())
-        job.gather_all(kv_caches)
-        wait_for_copies(slot_mapping.device)
-        staged = len(job)
-        job.finish()
-        return staged
+        end = keys[-1].end
+        self._check_slots(slot_mapping, end)
+        spec = StepSpec(saves=(SaveSpec("store", cache_salt, tuple(token_ids[:end]), (), 0),))
+        step = StepTransfer(self._step_context(keys), spec, kv_caches, slots={"store": slot_mapping})
+        step.finish()
+        return step.counts.saved_chunks
 
     def retrieve(self, token_ids: Sequence[int], kv_caches: Sequence[torch.Tensor], slot_mapping: torch.Tensor,
-                 cache_salt: str | None = None, start: int = 0, keys: Sequence[ChunkKey] | None = None) -> int:
+                 cache_salt: str | None = None, start: int = 0) -> int:
         """Write the longest available prefix of ``token_ids`` into ``kv_caches`` at ``slot_mapping``.
 
         Tokens before ``start`` are not written (the engine already holds them); slots are
         given for every token of ``token_ids``. With sliding windows (``KVLayout.layer_windows``)
         a window layer's KV is written only where a query after the prefix can read it
-        (``find_prefix``). Returns the number of leading tokens now
-        available (including those before ``start``), or ``start`` if nothing after it was.
+        (``lookup``). Returns the number of leading tokens now available (including those
+        before ``start``), or ``start`` if nothing after it was.
         """
-        keys = list(keys) if keys is not None else self.keys(token_ids, cache_salt)
-        keys = [k for k in keys if k.end <= len(token_ids)]
-        # where to read from; the caller's lookup was counted
-        found = self.find_prefix(keys, start, len(token_ids), record=False)
+        keys = self.keys(token_ids, cache_salt)
+        found = find_prefix(self.tiers, self.layout, keys, start, len(token_ids), False)  # the caller's lookup counted
         if found.num_tokens <= start:
             return start
-        item = LoadItem("retrieve", found.keys, found.sources, slot_mapping, start, found.num_tokens,
-                        whole=self.layout.windowed)
-        job = LoadJob(self.tiers, self.chunk_staging, self.groups, kv_caches, [item])
-        wait_for_copies(slot_mapping.device)
-        return job.failures().get("retrieve", found.num_tokens)
+        end = found.num_tokens
+        self._check_slots(slot_mapping, end)
+        load = LoadSpec("retrieve", cache_salt, (), (), start, end, found.sources)
+        step = StepTransfer(self._step_context(keys), StepSpec(loads=(load,)), kv_caches,
+                            slots={"retrieve": slot_mapping})
+        return step.finish().get("retrieve", end)
+
+    def _check_slots(self, slot_mapping: torch.Tensor, end: int) -> None:
+        need = -(-end // self.layout.copy_unit)
+        if len(slot_mapping) < need:
+            raise ValueError(f"slot_mapping has {len(slot_mapping)} slots for {end} tokens (needs {need})")
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for background writes (to every tier, Redis and NVMe included); False if
@@ -177,6 +216,8 @@ class KVCacheEngine:
         if self._exposed:
             withdraw(self.metrics, self.config.metrics_host, self.config.metrics_port)
         try:
+            if self._loader is not None:
+                self._loader.shutdown(wait=True)
             self.tiers.close()
         finally:
             self.loop.close()
@@ -192,6 +233,11 @@ class KVCacheEngine:
     def tier_names(self) -> list[str]:
         """The tiers' names, top first."""
         return self.tiers.tier_names
+
+    def listen(self, listener: TierListener | None) -> None:
+        """Tell ``listener`` of every chunk entering or leaving any tier (None: stop)."""
+        for backend in self.backends:
+            backend.set_listener(listener)
 
     def pinnable_tiers(self) -> list[str]:
         """The tiers whose ``pin`` protects chunks (not Redis: it evicts by its own policy)."""

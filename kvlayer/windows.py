@@ -106,20 +106,38 @@ def _first_chunk(keys: Sequence[ChunkKey], position: int) -> int:
     return next((i for i, k in enumerate(keys) if k.end > position), len(keys))
 
 
-def _found(layout: KVLayout, keys: Sequence[ChunkKey], start: int, end: int, full: list[WindowGroup],
-           full_sources: Sequence[int], windows: list[WindowGroup], firsts: list[int], answers: list) -> Found:
-    """The chunk objects to read, chunk by chunk, for the prefix ``keys`` (``[start, end)`` loaded)."""
+def load_objects(layout: KVLayout, keys: Sequence[ChunkKey], start: int, end: int) -> list[ChunkKey]:
+    """The chunk objects a load of tokens ``[start, end)`` reads, given the request's chunk
+    ``keys`` from token 0: without windows, the chunks from token 0 up to ``end`` (a
+    ``LoadItem`` skips those before ``start``); with windows, chunk by chunk the full group's
+    object of each chunk after ``start`` and each window group's object of the chunks a query
+    at ``end`` can still read. ``Found.keys`` for the same ``[start, end)``, so a worker that
+    computed its own keys knows what a lookup's ``sources`` name."""
+    keys = [k for k in keys if k.start < end]
+    if not layout.windowed:
+        return keys
+    groups = layout.window_groups
+    full = [g for g in groups if g.window is None]
+    windows = [g for g in groups if g.window is not None]
+    firsts = [_first_chunk(keys, window_start(g, start, end)) for g in windows]
     objs: list[ChunkKey] = []
-    sources: list[int] = []
     for i, key in enumerate(keys):
         if key.end <= start:
             continue
         if full:
             objs.append(group_key(key, full[0], layout.num_layers))
-            sources.append(full_sources[i])
-        for g, a, r in zip(windows, firsts, answers):
-            if i >= a:
-                objs.append(group_key(key, g, layout.num_layers))
-                sources.append(r.sources[i - a])
+        objs.extend(group_key(key, g, layout.num_layers) for g, a in zip(windows, firsts) if i >= a)
+    return objs
+
+
+def _found(layout: KVLayout, keys: Sequence[ChunkKey], start: int, end: int, full: list[WindowGroup],
+           full_sources: Sequence[int], windows: list[WindowGroup], firsts: list[int], answers: list) -> Found:
+    """The chunk objects to read, chunk by chunk, for the prefix ``keys`` (``[start, end)`` loaded)."""
+    where: dict[bytes, int] = {}
+    if full:
+        where.update((group_key(k, full[0], layout.num_layers).digest, s) for k, s in zip(keys, full_sources))
+    for g, a, r in zip(windows, firsts, answers):
+        where.update((group_key(k, g, layout.num_layers).digest, s) for k, s in zip(keys[a:], r.sources))
+    objs = load_objects(layout, keys, start, end)
     complete = max([keys[a].start if a < len(keys) else end for a in firsts] + [start])
-    return Found(end, tuple(objs), tuple(sources), complete)
+    return Found(end, tuple(objs), tuple(where[o.digest] for o in objs), complete)

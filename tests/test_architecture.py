@@ -126,8 +126,8 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
 
 def test_the_cycle_check_sees_imports_inside_functions() -> None:
     graph = import_graph()
-    assert "kvlayer.controller.agent" in graph["kvlayer.connectors.kvlayer_connector"], \
-        "the connector imports the agent inside a function"
+    assert "kvlayer.controller.agent" in graph["kvlayer.connectors.controller_link"], \
+        "the controller link imports the agent inside a function"
 
 
 def test_the_controller_agent_acts_only_through_kvcacheengine() -> None:

@@ -134,7 +134,7 @@ def test_capacity_and_references(tiny_model_dir):
 ])
 def test_layerwise_auto_streams_only_loads_from_lower_tiers(tiny_model_dir, tmp_path, monkeypatch, mode, kv,
                                                              layerwise):
-    import kvlayer.connectors.kvlayer_connector as connector
+    import kvlayer.step as connector  # where the step layer builds its LoadJob
 
     seen: list[bool] = []
     real = connector.LoadJob

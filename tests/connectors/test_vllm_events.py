@@ -1,4 +1,4 @@
-"""The vLLM connector's KV-cache events (connectors/vllm_events.py, connectors/vllm_v1.py).
+"""The vLLM connector's KV-cache events (kvlayer/tier_events.py, connectors/vllm_v1.py).
 
 The tier listener and its merging run here, without vLLM; the conversion to vLLM's events and
 their way through vLLM's own aggregation run in a process of their own (importing vLLM here would
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlayer.connectors.vllm_events import Removed, Stored, TierEvents, merge_runs
 from kvlayer.keys import ChunkKey
+from kvlayer.tier_events import Removed, Stored, TierEvents, merge_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 4
@@ -114,7 +114,7 @@ def test_only_the_latest_chunks_tokens_are_remembered() -> None:
 
 def test_past_the_bound_the_oldest_records_are_dropped_and_logged_once(caplog) -> None:
     ev = TierEvents(pending=2)
-    with caplog.at_level(logging.DEBUG, logger="kvlayer.connectors.vllm_events"):
+    with caplog.at_level(logging.DEBUG, logger="kvlayer.tier_events"):
         for d in (b"x", b"y", b"z", b"w"):
             ev.on_evict("cpu", [d])
     assert ev.take() == [Removed("cpu", (b"z", b"w"))]
@@ -126,7 +126,7 @@ def test_a_failure_while_recording_never_raises_and_still_reaches_the_agent(capl
     agent = Agent()
     ev = TierEvents(then=agent)
     bad = [[1, 2]]  # unhashable: the lookup of its tokens raises inside the listener
-    with caplog.at_level(logging.WARNING, logger="kvlayer.connectors.vllm_events"):
+    with caplog.at_level(logging.WARNING, logger="kvlayer.tier_events"):
         ev.on_admit("cpu", bad)  # type: ignore[list-item]
         ev.remember(None, TOKENS)  # type: ignore[arg-type]
     assert ev.take() == []
@@ -143,7 +143,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from kvlayer.connectors.vllm_events import Removed, Stored
+from kvlayer.tier_events import Removed, Stored
 from kvlayer.connectors.vllm_v1 import KVLayerConnectorV1, KVLayerKVEvents, vllm_events
 
 digest = bytes(range(32))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from kvlayer.config import KVLayerConfig
-from kvlayer.connectors.vllm_scheduler import SchedulerSide
+from kvlayer.connectors.vllm_scheduler import REUSE_LOOKUP_S, SchedulerSide
 
 BS, CHUNK = 4, 8
 
@@ -17,9 +17,10 @@ class FakeLookups:
     found: int = 0
     asked: list = field(default_factory=list)
 
-    def lookup(self, token_ids, salt):
+    def lookup(self, token_ids, salt, *, request_id="", start=0, limit=None):
         self.asked.append((list(token_ids), salt))
-        return self.found, (0,) * (self.found // CHUNK)
+        found = min(self.found, len(token_ids) if limit is None else limit)
+        return found, (0,) * (found // CHUNK)
 
 
 def request(rid: str, n: int, salt: str | None = None) -> SimpleNamespace:
@@ -53,16 +54,16 @@ def test_a_hit_is_whole_blocks_after_vllms_own_and_never_the_last_token() -> Non
 
 
 def test_a_waiting_request_is_looked_up_once_per_interval(monkeypatch) -> None:
-    from kvlayer.connectors import vllm_scheduler
+    from kvlayer import requests
 
     clock = [100.0]
-    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(requests.time, "monotonic", lambda: clock[0])
     s, lookups = side(found=16)
     r = request("a", 20)
     for _ in range(5):  # vLLM asks at every step while the request waits
         assert s.matched(r, 0) == 16
     assert len(lookups.asked) == 1
-    clock[0] += vllm_scheduler.REUSE_LOOKUP_S
+    clock[0] += REUSE_LOOKUP_S
     lookups.found = 8
     assert s.matched(r, 0) == 8 and len(lookups.asked) == 2, "a stale answer is asked again"
     s.allocated(r, [1, 2, 3, 4, 5], 8)

@@ -14,7 +14,7 @@ kvlayer stats after each round (where the worker is in this process), or ``{"err
 when the engine does not start. With ``kv_events``, each round also has the KV-cache events
 vLLM's scheduler published during it (``_Published`` where the scheduler is in this process,
 ``_Subscribed`` to the ZMQ endpoint otherwise): kvlayer's (``events``) and how many were vLLM's
-own (``vllm_events``); and, where the worker is in this process, kvlayer's chunk keys of each
+own (``kvlayer.tier_events``); and, where the worker is in this process, kvlayer's chunk keys of each
 prompt (``keys``, hex) and the digests each tier holds after the round (``held``, hex).
 """
 

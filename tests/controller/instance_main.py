@@ -56,7 +56,7 @@ class Instance:
         for backend in self.kv.backends:
             n = self.kv.loop.run(backend.contains_prefix(keys), 10.0)
             tiers[backend.name] = keys[n - 1].end if n else 0
-        return {"tokens": self.kv.lookup_keys(keys), "tiers": tiers}
+        return {"tokens": self.kv.lookup(request["prompt"]).num_tokens, "tiers": tiers}
 
     def agent(self, request: Request) -> dict[str, Any]:
         agent = self.connector.agent

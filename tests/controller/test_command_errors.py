@@ -82,7 +82,7 @@ def test_a_failure_on_one_of_every_instance_is_its_result(fleet, monkeypatch, ca
     assert not results["a"].ok and results["a"].chunks == 0
     assert results["a"].error == "FAILED_PRECONDITION: instance 'a': RuntimeError: disk on fire"
     assert results["b"].ok and results["b"].chunks == 4 and results["b"].error == ""
-    assert kvs["b"].lookup(TOKENS) == 0 and kvs["a"].lookup(TOKENS) == 16
+    assert kvs["b"].lookup(TOKENS).num_tokens == 0 and kvs["a"].lookup(TOKENS).num_tokens == 16
 
     # The CLI prints the answer, then one line naming the failure, and exits 1.
     args = ["admin", "--controller", srv.address, "evict", "--tokens", ",".join(map(str, TOKENS))]

@@ -31,7 +31,8 @@ def test_stats_over_the_rpc_are_the_engines_own_counters(tmp_path):
             wait_until(lambda: agent.connected, what="registration")
             store_tokens(kv, HELD)
             store_tokens(kv, OTHER)
-            assert (kv.lookup(HELD), kv.lookup(MISSING), kv.lookup(HELD[:9])) == (16, 0, 8)
+            held = [kv.lookup(t).num_tokens for t in (HELD, MISSING, HELD[:9])]
+            assert held == [16, 0, 8]
             caches = [torch.zeros(2, 16, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim) for _ in range(LAYOUT.num_layers)]
             assert kv.retrieve(HELD, caches, torch.arange(16)) == 16
             kv.flush()

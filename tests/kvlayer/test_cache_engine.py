@@ -38,9 +38,9 @@ def kv():
 def test_store_then_retrieve_into_other_slots(kv):
     tokens = list(range(100, 130))  # 3 full chunks of 8 + 6 tokens
     src, src_slots = caches(), slots_for(30, 1)
-    assert kv.lookup(tokens) == 0
+    assert kv.lookup(tokens).num_tokens == 0
     assert kv.store(tokens, src, src_slots) == 3
-    assert kv.lookup(tokens) == 24
+    assert kv.lookup(tokens).num_tokens == 24
     assert kv.store(tokens, src, src_slots) == 0  # already held
     dst, dst_slots = caches(fill=False), slots_for(30, 2)
     assert kv.retrieve(tokens, dst, dst_slots) == 24
@@ -61,9 +61,9 @@ def test_retrieve_from_start_leaves_earlier_slots_alone(kv):
 def test_prefix_and_salt(kv):
     tokens = list(range(50, 82))
     kv.store(tokens, caches(), slots_for(32, 4))
-    assert kv.lookup(tokens[:20] + [1] * 12) == 16
-    assert kv.lookup(tokens, cache_salt="other") == 0
-    assert kv.lookup([1] + tokens[1:]) == 0  # the chain: a change early misses everything
+    assert kv.lookup(tokens[:20] + [1] * 12).num_tokens == 16
+    assert kv.lookup(tokens, cache_salt="other").num_tokens == 0
+    assert kv.lookup([1] + tokens[1:]).num_tokens == 0  # the chain: a change early misses everything
 
 
 def test_partial_chunks_when_configured():
@@ -71,7 +71,7 @@ def test_partial_chunks_when_configured():
         tokens = list(range(20))
         src, slots = caches(), slots_for(20, 5)
         assert eng.store(tokens, src, slots) == 3
-        assert eng.lookup(tokens) == 20
+        assert eng.lookup(tokens).num_tokens == 20
         dst = caches(fill=False)
         assert eng.retrieve(tokens, dst, slots) == 20
         assert torch.equal(kv_at(dst, slots), kv_at(src, slots))

@@ -64,7 +64,7 @@ def test_latent_chunks_round_trip_through_each_tier(tmp_path, tiers: str) -> Non
             assert len(files) == 3
         dst = latent_caches(None)
         dst_slots = transfer.slot_mapping(list(range(BLOCKS - 1, -1, -1)), BLOCK, 0, len(tokens))
-        assert kv.lookup(tokens) == 3 * CHUNK
+        assert kv.lookup(tokens).num_tokens == 3 * CHUNK
         assert kv.retrieve(tokens, [MLA.paged_view(c) for c in dst], dst_slots) == 3 * CHUNK
     want, got = rows(src, src_slots[: 3 * CHUNK]), rows(dst, dst_slots[: 3 * CHUNK])
     if tiers == "nvme-int8":
@@ -91,7 +91,7 @@ def test_latent_chunks_are_never_read_as_kv_chunks(tmp_path) -> None:
         kv.store(tokens, [MLA.paged_view(c) for c in src], slots)
         kv.flush()
     with KVCacheEngine(config, kv_layout, model_name="m", model_fingerprint="f") as kv:
-        assert kv.lookup(tokens) == 0
+        assert kv.lookup(tokens).num_tokens == 0
     # and bytes forged under a K/V key are refused by their shape, before any is used
     chunk = rows(src, slots[:CHUNK]).view(LAYERS, 1, CHUNK, 1, LATENT)
     header, _ = encode_chunk(kv_keys[0], chunk)

@@ -39,7 +39,7 @@ def save(kv: KVCacheEngine, tokens: list[int], src: list[torch.Tensor], slots: t
 
 def item(kv: KVCacheEngine, rid: str, keys: list, slots: torch.Tensor, start: int, end: int) -> LoadItem:
     """A load of tokens ``[start, end)``, its sources from a lookup now (as the scheduler's)."""
-    return LoadItem(rid, tuple(keys), kv.find(keys).sources, slots, start, end)
+    return LoadItem(rid, tuple(keys), kv.tiers.lookup(keys).sources, slots, start, end)
 
 
 def load(kv: KVCacheEngine, dst: list[torch.Tensor], items: list[LoadItem], executor=None) -> LoadJob:
@@ -50,7 +50,7 @@ def test_save_then_load_layer_by_layer(kv, executor):
     tokens = list(range(40))  # 5 chunks of 8
     src, src_slots = caches(), slots_for(40, 1)
     assert save(kv, tokens, src, src_slots) == 5
-    assert kv.lookup(tokens) == 40
+    assert kv.lookup(tokens).num_tokens == 40
     assert save(kv, tokens, src, src_slots) == 0, "held chunks are not staged again"
     dst, dst_slots = caches(fill=False), slots_for(40, 2)
     job = load(kv, dst, [item(kv, "r", kv.keys(tokens), dst_slots, 4, 37)], executor)
@@ -121,7 +121,7 @@ def test_finish_drops_the_chunks_a_failed_load_left_unwritten(kv):
     tokens = list(range(32))
     src, slots = caches(), slots_for(32, 6)
     assert save(kv, tokens, src, slots, rid="r", failed={"r": 16}) == 4
-    assert kv.lookup(tokens) == 16, "chunks after the failed load's valid tokens are not stored"
+    assert kv.lookup(tokens).num_tokens == 16, "chunks after the failed load's valid tokens are not stored"
     assert kv.staging.used_count == 0
     assert save(kv, tokens, src, slots) == 2
 
@@ -150,7 +150,7 @@ def test_a_save_stages_only_what_the_tiers_lack_for_each_request(kv):
         job.layer(layer, cache)
     job.finish()
     assert (cpu.used_count, kv.staging.used_count) == (held + 3, 0), "the tier adopted them: no second copy"
-    assert (kv.lookup(a), kv.lookup(b)) == (24, 16)
+    assert (kv.lookup(a).num_tokens, kv.lookup(b).num_tokens) == (24, 16)
     out = caches(fill=False)
     assert kv.retrieve(b, out, slots_for(16, 13)) == 16
     assert torch.equal(kv_at(out, slots_for(16, 13)), kv_at(src, slots[:16]))

@@ -79,7 +79,7 @@ def test_a_round_trip_stays_within_the_bound(place: dict[str, Any], quantization
     src, src_slots, dst, dst_slots = caches(), slots_for(32, 1), caches(fill=False), slots_for(32, 2)
     with engine(place, quantization) as kv:
         store_and_flush(kv, src, src_slots)
-        assert kv.lookup(TOKENS) == 32
+        assert kv.lookup(TOKENS).num_tokens == 32
         assert kv.retrieve(TOKENS, dst, dst_slots) == 32
         assert_within_bound(kv_at(dst, dst_slots), kv_at(src, src_slots), quantization)
         assert kv.stats()["tiers"][lower(place)]["hit_tokens"] == 32
@@ -127,14 +127,14 @@ def test_exact_and_quantized_instances_never_serve_each_other(place: dict[str, A
         exact_keys = {k.digest for k in exact.keys(TOKENS)}
     with engine(place, "int8") as int8:
         assert not exact_keys & {k.digest for k in int8.keys(TOKENS)}
-        assert int8.lookup(TOKENS) == 0, "exact chunks are not served to a quantized instance"
+        assert int8.lookup(TOKENS).num_tokens == 0, "exact chunks are not served to a quantized instance"
         store_and_flush(int8, src, slots)
         assert int8.retrieve(TOKENS, dst, slots) == 32
         assert_within_bound(kv_at(dst, slots), kv_at(src, slots), "int8")
     with engine(place, "fp8") as fp8:
-        assert fp8.lookup(TOKENS) == 0, "nor int8 chunks to an fp8 one"
+        assert fp8.lookup(TOKENS).num_tokens == 0, "nor int8 chunks to an fp8 one"
     with engine(place, "none") as exact:
-        assert exact.lookup(TOKENS) == 32
+        assert exact.lookup(TOKENS).num_tokens == 32
         assert exact.retrieve(TOKENS, dst, slots) == 32
         assert torch.equal(kv_at(dst, slots), kv_at(src, slots)), "quantized chunks are not served to an exact one"
         assert exact.stats()["tiers"][lower(place)]["backend"]["checksum_errors"] == 0
@@ -170,7 +170,7 @@ def test_a_corrupted_quantized_chunk_is_a_counted_miss(place: dict[str, Any], of
         assert stats["backend"]["checksum_errors"] == 1 and stats["hit_tokens"] == 8
         assert_within_bound(kv_at(dst, slots[:8]), kv_at(src, slots[:8]), "fp8")
         assert kv.flush(timeout=60)
-        assert kv.lookup(TOKENS) == 8, "the bad chunk was deleted"
+        assert kv.lookup(TOKENS).num_tokens == 8, "the bad chunk was deleted"
 
 
 def test_a_bad_value_is_refused_in_one_line() -> None:

@@ -1,13 +1,19 @@
-"""The lookup channel between the two sides of the vLLM connector (docs/vllm.md, "Two processes").
+"""The lookup channel: a scheduler process asks the process holding the tiers (docs/vllm.md, "Two processes").
 
-vLLM runs its scheduler in the engine-core process and the model in worker processes; kvlayer's
-tiers (its CPU memory among them) live in the worker. The worker answers the scheduler's
+An engine that runs its scheduler apart from its model (vLLM: the engine-core process and the
+worker processes) keeps kvlayer's tiers (its CPU memory among them) in the worker. The worker
+answers the scheduler's
 "how much of this prompt do you hold, and where" over a Unix socket, one per worker rank, at a
 path both sides derive from vLLM's engine id (``socket_path``).
 
-Wire format (little-endian, no pickle): a request is ``u32 length`` + ``u16 salt length`` + the
-salt (UTF-8; empty for none) + the token ids as int32; the answer is ``u32 found tokens`` +
-``u32 n`` + ``n`` bytes, the tier index of each found chunk. A client that cannot reach the
+It asks the step layer's one lookup (``KVCacheEngine.lookup``), window-aware, with the request's
+id (the worker keeps its keys for the request's loads and saves), how many tokens vLLM holds
+already and the most it may load.
+
+Wire format (little-endian, no pickle): a request is ``u32 length`` + ``u16 id length`` + the
+request id + ``u16 salt length`` + the salt (UTF-8; empty for none) + ``u32 start`` + ``u32
+limit`` + the token ids as int32; the answer is ``u32 found tokens`` + ``u32 n`` + ``n`` bytes,
+the tier index of each chunk object to read. A client that cannot reach the
 worker, or gets no answer within its timeout, answers a miss: the scheduler never waits long and
 never raises for the channel.
 """
@@ -24,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,35 +65,59 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def encode_request(token_ids: Sequence[int], salt: str | None) -> bytes:
-    """The request bytes for ``token_ids`` under ``salt``; ``ValueError`` for ids outside int32."""
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One lookup: may request ``request_id`` (its tokens ``token_ids`` under ``salt``), holding
+    its first ``start`` tokens, load up to ``limit`` tokens?"""
+
+    token_ids: list[int]
+    salt: str | None
+    request_id: str = ""
+    start: int = 0
+    limit: int = 0
+
+
+def encode_request(token_ids: Sequence[int], salt: str | None, request_id: str = "", start: int = 0,
+                   limit: int | None = None) -> bytes:
+    """The request bytes (``limit`` None: every token); ``ValueError`` for ids outside int32 or
+    an id or salt over 65535 bytes."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
         raise ValueError("token ids must be in [0, 2**31)")
-    salt_bytes = (salt or "").encode()
-    body = struct.pack("<H", len(salt_bytes)) + salt_bytes + tokens.astype("<i4").tobytes()
+    rid, salt_bytes = request_id.encode(), (salt or "").encode()
+    if max(len(rid), len(salt_bytes)) > 0xFFFF:
+        raise ValueError("a request id or salt over 65535 bytes")
+    limit = len(token_ids) if limit is None else limit
+    body = b"".join([struct.pack("<H", len(rid)), rid, struct.pack("<H", len(salt_bytes)), salt_bytes,
+                     struct.pack("<II", max(0, start), max(0, limit)), tokens.astype("<i4").tobytes()])
     return struct.pack("<I", len(body)) + body
 
 
-def decode_request(body: bytes) -> tuple[list[int], str | None]:
-    """``(token_ids, salt)`` of a request body; ``ValueError`` if it is malformed."""
-    if len(body) < 2:
-        raise ValueError("a lookup request shorter than its header")
-    (n_salt,) = struct.unpack_from("<H", body)
-    rest = len(body) - 2 - n_salt
+def decode_request(body: bytes) -> Query:
+    """The ``Query`` of a request body; ``ValueError`` if it is malformed."""
+    try:
+        (n_rid,) = struct.unpack_from("<H", body)
+        rid = body[2 : 2 + n_rid].decode()
+        (n_salt,) = struct.unpack_from("<H", body, 2 + n_rid)
+        at = 4 + n_rid + n_salt
+        salt = body[4 + n_rid : at].decode()
+        start, limit = struct.unpack_from("<II", body, at)
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"a malformed lookup request ({e})") from None
+    rest = len(body) - at - 8
     if rest < 0 or rest % 4:
         raise ValueError(f"a lookup request of {len(body)} bytes does not hold whole token ids")
-    salt = body[2 : 2 + n_salt].decode()
-    return np.frombuffer(body, dtype="<i4", offset=2 + n_salt).tolist(), salt or None
+    tokens = np.frombuffer(body, dtype="<i4", offset=at + 8).tolist()
+    return Query(tokens, salt or None, rid, start, min(limit, len(tokens)))
 
 
 class LookupServer:
-    """Answers lookups at ``path`` with ``answer(token_ids, salt)`` until ``close``.
+    """Answers lookups at ``path`` with ``answer(query)`` until ``close``.
 
     One daemon thread accepts connections and one serves each; ``answer`` is called from those
     threads (it must be thread-safe) and an exception in it answers a miss (logged)."""
 
-    def __init__(self, path: str, answer: Callable[[list[int], str | None], Answer]) -> None:
+    def __init__(self, path: str, answer: Callable[[Query], Answer]) -> None:
         self.path = path
         self._answer = answer
         self._closed = threading.Event()
@@ -129,14 +160,14 @@ class LookupServer:
                 if size > MAX_REQUEST_BYTES:
                     log.warning("kvlayer lookup: a %d-byte request is over the limit; closing it", size)
                     return
-                tokens, salt = decode_request(_read_exact(conn, size))
+                query = decode_request(_read_exact(conn, size))
             except (ConnectionError, OSError):
                 return
             except ValueError as e:
                 log.warning("kvlayer lookup: %s; closing the connection", e)
                 return
             try:
-                found, sources = self._answer(tokens, salt)
+                found, sources = self._answer(query)
             except Exception:
                 log.exception("kvlayer lookup: answering failed; a miss")
                 found, sources = MISS
@@ -171,14 +202,16 @@ class LookupClient:
         self._retry_at = 0.0
         self._throttle = LogThrottle(60.0)
 
-    def lookup(self, token_ids: Sequence[int], salt: str | None) -> Answer:
-        """How many leading tokens of ``token_ids`` the worker's tiers hold, and each found
-        chunk's tier; ``MISS`` when the worker cannot be asked."""
+    def lookup(self, token_ids: Sequence[int], salt: str | None, *, request_id: str = "", start: int = 0,
+               limit: int | None = None) -> Answer:
+        """How many leading tokens of ``token_ids`` (at most ``limit``) the worker can load for a
+        request holding ``start`` already, and the tier of each chunk object to read;
+        ``MISS`` when the worker cannot be asked."""
         if self._sock is None and time.monotonic() < self._retry_at:
             return MISS
         try:
             sock = self._connected()
-            sock.sendall(encode_request(token_ids, salt))
+            sock.sendall(encode_request(token_ids, salt, request_id, start, limit))
             found, n = struct.unpack("<II", _read_exact(sock, 8))
             return found, tuple(_read_exact(sock, n))
         except (OSError, ConnectionError) as e:

@@ -1,12 +1,13 @@
-"""kvlayer's tier events, for vLLM's KV-cache events (docs/vllm.md, "KV-cache events").
+"""kvlayer's tier events: what enters and leaves the tiers, with the chunks' tokens (docs/vllm.md, "KV-cache events").
 
-The vLLM worker side listens to its tiers (``kvlayer.storage.TierListener``, ``TierEvents``): a
-chunk entering a tier is a ``Stored`` record, one leaving it (evicted, removed, dropped as
-corrupt) a ``Removed`` one. vLLM's ``BlockStored`` carries the chunk's token ids, which a tier
-does not know, so the worker ``remember``s the tokens of the chunks it saves or loads; a chunk
-entering a tier that it does not remember (NVMe files found at start-up, say) is not announced,
-only counted (``unannounced``). ``vllm_v1`` turns the records into vLLM's events; this module
-imports no vLLM.
+An engine adapter that publishes KV-cache events (vLLM's worker side today) listens to its
+tiers (``kvlayer.storage.TierListener``, ``TierEvents``): a chunk entering a tier is a
+``Stored`` record, one leaving it (evicted, removed, dropped as corrupt) a ``Removed`` one. An
+event such as vLLM's ``BlockStored`` carries the chunk's token ids, which a tier does not know,
+so the adapter ``remember``s the tokens of the chunks a step saves or loads
+(``StepCounts.moved``); a chunk entering a tier that it does not remember (NVMe files found at
+start-up, say) is not announced, only counted (``unannounced``). ``connectors/vllm_v1.py``
+turns the records into vLLM's events; this module imports no engine.
 
 The listener is called on the tiers' I/O loop thread: it only appends under a lock, never
 raises (a failure is logged once and counted in ``dropped``), and passes every call on to the

@@ -1,4 +1,4 @@
-"""The vLLM connector's lookup channel (connectors/vllm_lookup.py), without vLLM: answers cross
+"""The vLLM connector's lookup channel (connectors/lookup_channel.py), without vLLM: answers cross
 a real Unix socket; a dead, slow or garbled peer is a miss, never an exception or a hang."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvlayer.connectors import vllm_lookup
-from kvlayer.connectors.vllm_lookup import MISS, LookupClient, LookupServer, decode_request, encode_request
+from kvlayer.connectors import lookup_channel
+from kvlayer.connectors.lookup_channel import MISS, LookupClient, LookupServer, Query, decode_request, encode_request
 
 
 @pytest.fixture
@@ -22,33 +22,38 @@ def path(tmp_path):
 def test_requests_round_trip_and_answers_come_back(path) -> None:
     seen = []
 
-    def answer(tokens, salt):
-        seen.append((tokens, salt))
-        return len(tokens) - 1, (0, 1, 1)
+    def answer(q):
+        seen.append(q)
+        return len(q.token_ids) - 1, (0, 1, 1)
 
     server = LookupServer(path, answer)
     client = LookupClient(path, timeout_s=2)
     try:
         assert client.lookup([5, 6, 2**31 - 1], "tenant-a") == (2, (0, 1, 1))
-        assert client.lookup(list(range(5000)), None) == (4999, (0, 1, 1)), "one connection, many asks"
-        assert seen[0] == ([5, 6, 2**31 - 1], "tenant-a") and seen[1] == (list(range(5000)), None)
+        assert client.lookup(list(range(5000)), None, request_id="r-7", start=128, limit=4096) == (4999, (0, 1, 1)), \
+            "one connection, many asks"
+        assert seen[0] == Query([5, 6, 2**31 - 1], "tenant-a", "", 0, 3)
+        assert seen[1] == Query(list(range(5000)), None, "r-7", 128, 4096), "the request id, start and limit arrive"
+        assert client.lookup([1, 2], None, limit=9) == (1, (0, 1, 1)) and seen[2].limit == 2, "limit <= tokens"
     finally:
         client.close()
         server.close()
-    assert decode_request(encode_request([1, 2], "")[4:]) == ([1, 2], None)
+    assert decode_request(encode_request([1, 2], "")[4:]) == Query([1, 2], None, "", 0, 2)
     with pytest.raises(ValueError, match="token ids must be"):
         encode_request([-1], None)
     with pytest.raises(ValueError, match="whole token ids"):
-        decode_request(struct.pack("<H", 0) + b"abc")
+        decode_request(struct.pack("<HHII", 0, 0, 0, 0) + b"abc")
+    with pytest.raises(ValueError, match="malformed"):
+        decode_request(struct.pack("<H", 5) + b"ab")
 
 
 def test_no_server_is_a_quick_miss_then_a_retry(path, monkeypatch) -> None:
-    monkeypatch.setattr(vllm_lookup, "RETRY_S", 0.2)
+    monkeypatch.setattr(lookup_channel, "RETRY_S", 0.2)
     client = LookupClient(path, timeout_s=2)
     start = time.monotonic()
     assert client.lookup([1, 2, 3], None) == MISS
     assert time.monotonic() - start < 1
-    server = LookupServer(path, lambda tokens, salt: (len(tokens), ()))
+    server = LookupServer(path, lambda q: (len(q.token_ids), ()))
     try:
         assert client.lookup([1, 2, 3], None) == MISS, "within the retry delay it does not ask"
         time.sleep(0.3)
@@ -62,7 +67,8 @@ def test_no_server_is_a_quick_miss_then_a_retry(path, monkeypatch) -> None:
 def test_a_slow_or_failing_answer_is_a_miss(path) -> None:
     release = threading.Event()
 
-    def answer(tokens, salt):
+    def answer(q):
+        tokens = q.token_ids
         if tokens == [9]:
             raise RuntimeError("boom")
         release.wait(5)
@@ -81,7 +87,7 @@ def test_a_slow_or_failing_answer_is_a_miss(path) -> None:
 
 
 def test_a_garbled_request_closes_only_its_connection(path) -> None:
-    server = LookupServer(path, lambda tokens, salt: (len(tokens), ()))
+    server = LookupServer(path, lambda q: (len(q.token_ids), ()))
     try:
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         raw.connect(path)

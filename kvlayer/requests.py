@@ -1,0 +1,244 @@
+"""The step layer's scheduler half: each request's progress (docs/architecture.md section 13).
+
+``RequestTracker`` is what every adapter's scheduler side keeps per request: the one
+window-aware lookup's answer (``Found``), the load it granted once the engine allocated blocks,
+the request's block table, and how far it has been saved. Per step it turns each scheduled
+request into at most one ``LoadSpec`` and one ``SaveSpec`` (``kvlayer.step``), applying the
+rules every engine shares:
+
+- a hit never covers the last prompt token (the engine needs its logits) and is a whole
+  number of ``align`` tokens (vLLM's blocks; 1 for the bundled engine);
+- a chunk is saved once, when the step computing its last token runs; with
+  ``save_decode_cache`` off only the prompt's chunks are; a partial last chunk only with
+  ``save_partial_chunks``;
+- a chunk one of whose blocks a sliding window released (a negative block id) is skipped
+  (``skipped_saves``); chunks a window-aware load covered are never saved again (their window
+  layers' KV was not loaded);
+- after a failed load, the chunks from the first invalid token on are saved again once
+  recomputed (``load_failed``).
+
+It holds no tiers and no keys: lookups go through ``lookup`` (in-process for the bundled
+engine, over the lookup channel for vLLM). Use it from the engine's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvlayer.step import LoadSpec, SaveSpec
+from kvlayer.windows import Found
+
+log = logging.getLogger(__name__)
+
+TrackerLookup = Callable[[str, Sequence[int], "str | None", int, int], Found]
+"""(request id, token ids, salt, start, limit) -> the window-aware lookup's answer: a prefix of
+at most ``limit`` tokens for a request holding ``start`` already (``KVCacheEngine.lookup``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavePolicy:
+    """Which chunks of a request are saved (``KVLayerConfig``'s keys of the same names)."""
+
+    chunk_size: int
+    save_decode_cache: bool = False
+    save_partial_chunks: bool = False
+    windowed: bool = False
+    """The tiers are window-aware (``KVLayout.windowed`` with ``window_aware`` on)."""
+
+
+@dataclass(slots=True)
+class _Request:
+    token_ids: Sequence[int]
+    num_prompt: int
+    salt: str | None
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0
+    start: int = 0
+    found: Found = Found(0)
+    load: tuple[int, int] | None = None
+    complete_from: int = 0
+    asked: tuple[int, int, float] | None = None
+    """The last lookup's (token count, start, when), reused while the request waits."""
+
+
+class RequestTracker:
+    """Every live request's progress; see the module docstring.
+
+    ``lookup`` answers ``matched``; ``block_size`` is the engine's; ``align`` the granularity of a
+    hit (vLLM's: its block size); ``reuse_s``: how long a
+    waiting request's lookup answer is reused when asked again for the same tokens (vLLM asks
+    at every step until it admits the request; 0: always ask).
+    """
+
+    def __init__(self, lookup: TrackerLookup, policy: SavePolicy, block_size: int, align: int = 1,
+                 reuse_s: float = 0.0) -> None:
+        self._lookup = lookup
+        self.policy = policy
+        self._block_size = block_size
+        self._align = max(1, align)
+        self._reuse_s = reuse_s
+        self._reqs: dict[str, _Request] = {}
+        self.skipped_saves = 0
+        """Chunks not saved because a sliding window released one of their blocks."""
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def _get(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None) -> _Request:
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _Request(token_ids, num_prompt, salt)
+        st.token_ids = token_ids
+        return st
+
+    # ----- admission ----------------------------------------------------------------------
+    def matched(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None,
+                num_computed: int) -> int:
+        """How many tokens after the engine's own ``num_computed`` kvlayer can load (>= 0).
+        Repeatable: the last call counts."""
+        st = self._get(rid, token_ids, num_prompt, salt)
+        limit = len(token_ids) - 1
+        limit -= limit % self._align
+        now = time.monotonic()
+        asked = (len(token_ids), num_computed)
+        if st.asked is None or st.asked[:2] != asked or now - st.asked[2] >= self._reuse_s:
+            st.found = self._lookup(rid, token_ids, salt, num_computed, limit) if limit > num_computed else Found(0)
+            st.asked = (*asked, now)
+        st.start = num_computed
+        return max(0, min(st.found.num_tokens, limit) - num_computed)
+
+    def allocated(self, rid: str, block_ids: Sequence[int] | None, num_external: int) -> None:
+        """The engine allocated the request's blocks (its whole table, if given), ``num_external``
+        of its tokens after ``num_computed`` to come from kvlayer."""
+        st = self._reqs.get(rid)
+        if st is None:
+            return
+        if block_ids is not None:
+            st.block_ids = list(block_ids)
+        st.asked = None
+        st.complete_from = 0
+        if num_external > 0:
+            st.load = (st.start, st.start + num_external)
+            st.complete_from = max(st.start, st.found.all_layers_from)
+            if self.policy.windowed:
+                end = st.load[1]
+                st.saved_upto = max(st.saved_upto, end - end % self.policy.chunk_size)
+
+    def complete_from(self, rid: str) -> int:
+        """The first position from which the granted load holds every layer's KV (0: no load)."""
+        st = self._reqs.get(rid)
+        return 0 if st is None else st.complete_from
+
+    # ----- the request as it runs ---------------------------------------------------------
+    def update(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None,
+               block_ids: Sequence[int] | None = None) -> None:
+        """The request's tokens now (prompt and generated) and, if given, its whole block table;
+        starts tracking a request never looked up."""
+        st = self._get(rid, token_ids, num_prompt, salt)
+        if block_ids is not None:
+            st.block_ids = list(block_ids)
+
+    def set_blocks(self, rid: str, block_ids: Sequence[int]) -> None:
+        """The request's whole block table now (a resumed request's new one)."""
+        st = self._reqs.get(rid)
+        if st is not None:
+            st.block_ids = list(block_ids)
+
+    def add_blocks(self, rid: str, block_ids: Iterable[int]) -> None:
+        """Blocks appended to the request's table."""
+        st = self._reqs.get(rid)
+        if st is not None:
+            st.block_ids.extend(block_ids)
+
+    def preempted(self, rid: str) -> None:
+        """The engine took the request's blocks back: its granted load is void (a resumed
+        request is looked up again)."""
+        st = self._reqs.get(rid)
+        if st is not None:
+            st.block_ids, st.load = [], None
+
+    # ----- one step -----------------------------------------------------------------------
+    def step(self, rid: str, num_computed: int, num_scheduled: int) -> tuple[LoadSpec | None, SaveSpec | None]:
+        """The request's load (once, in the step after its allocation) and its saves for a step
+        computing tokens ``[num_computed, num_computed + num_scheduled)``; (None, None) for a
+        request not tracked."""
+        st = self._reqs.get(rid)
+        if st is None:
+            return None, None
+        tokens = st.token_ids
+        load = None
+        if st.load is not None:
+            start, end = st.load
+            st.load = None
+            covered = min(len(tokens), -(-end // self.policy.chunk_size) * self.policy.chunk_size)
+            load = LoadSpec(rid, st.salt, tuple(tokens[:covered]), tuple(st.block_ids[: self._blocks(end)]), start,
+                            end, st.found.sources)
+        return load, self._save(rid, st, num_computed + num_scheduled)
+
+    def _save(self, rid: str, st: _Request, done: int) -> SaveSpec | None:
+        policy = self.policy
+        limit = len(st.token_ids) if policy.save_decode_cache else st.num_prompt
+        ends = [e for e in _chunk_ends(min(done, limit), limit, policy) if e > st.saved_upto]
+        if not ends:
+            return None
+        held = [e for e in ends if self._holds(st.block_ids, e - _chunk_len(e, policy), e)]
+        first = st.saved_upto
+        if len(held) < len(ends):
+            skipped = len(ends) - len(held)
+            if not self.skipped_saves:
+                log.info("kvlayer: chunks whose blocks a sliding window released are not saved")
+            self.skipped_saves += skipped
+            # a window releases leading blocks: save the held chunks after the last skipped one
+            last_gap = max(e for e in ends if e not in held)
+            held = [e for e in held if e > last_gap]
+            first = last_gap
+        st.saved_upto = ends[-1]
+        if not held:
+            return None
+        due = held[-1]
+        return SaveSpec(rid, st.salt, tuple(st.token_ids[:due]), tuple(st.block_ids[: self._blocks(due)]), first)
+
+    def _holds(self, block_ids: Sequence[int], start: int, end: int) -> bool:
+        """Whether every block of tokens ``[start, end)`` is allocated and held."""
+        blocks = block_ids[start // self._block_size : self._blocks(end)]
+        return len(blocks) == self._blocks(end) - start // self._block_size and min(blocks, default=0) >= 0
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self._block_size)
+
+    # ----- outcomes -----------------------------------------------------------------------
+    def load_failed(self, rid: str, valid: int) -> None:
+        """The request's load left only ``valid`` leading tokens: the chunks from there on are
+        saved again once recomputed."""
+        st = self._reqs.get(rid)
+        if st is not None:
+            valid = min(st.saved_upto, valid)
+            st.saved_upto = valid - valid % self.policy.chunk_size
+
+    def blocks_failed(self, block_ids: set[int]) -> None:
+        """``load_failed`` for every request holding one of ``block_ids`` (vLLM reports blocks)."""
+        for rid, st in self._reqs.items():
+            bad = next((i for i, b in enumerate(st.block_ids) if b in block_ids), None)
+            if bad is not None:
+                self.load_failed(rid, bad * self._block_size)
+
+    def finished(self, rid: str) -> None:
+        """The request finished or was aborted: forget it."""
+        self._reqs.pop(rid, None)
+
+
+def _chunk_ends(done: int, limit: int, policy: SavePolicy) -> list[int]:
+    """The ends of the chunks of tokens ``[0, limit)`` that lie within ``[0, done)``."""
+    c = policy.chunk_size
+    ends = list(range(c, done + 1, c))
+    if policy.save_partial_chunks and done == limit and limit % c:
+        ends.append(limit)
+    return ends
+
+
+def _chunk_len(end: int, policy: SavePolicy) -> int:
+    """Tokens of the chunk ending at ``end`` (a partial last chunk is shorter)."""
+    return end % policy.chunk_size or policy.chunk_size

@@ -1,0 +1,254 @@
+"""The step layer's worker half: one engine step's loads and saves (docs/architecture.md section 13).
+
+Every adapter (the bundled connector, vLLM's worker, ``KVCacheEngine.store``/``retrieve``)
+hands kvlayer one ``StepSpec`` per engine step: plain data that a scheduler side made
+(``kvlayer.requests.RequestTracker``) and that may cross a process boundary. ``StepTransfer``
+turns it into the step's transfers over the engine's paged caches:
+
+- each ``LoadSpec`` becomes a read of the chunk objects the lookup granted, from the tiers it
+  named, into the request's blocks (``kvlayer.pipeline.LoadJob``): layer by layer on the
+  engine's loader thread while the forward pass runs (``wait_layer``), or all of it before
+  the transfer is returned, as ``layerwise`` says;
+- each ``SaveSpec`` becomes a copy of the chunks the step completes out of the cache
+  (``kvlayer.pipeline.SaveJob``): right after each layer's attention (``save_layer``), or
+  after the forward pass with ``layerwise: off``;
+- ``finish`` collects the loads that failed (request -> valid leading tokens, which the engine
+  recomputes), drops the saves those failures invalidate, and hands the rest to the tiers.
+
+Keys are computed here, in the worker's namespace (its tensor-parallel rank is part of it),
+from the spec's token ids, once per request (``KVCacheEngine``'s key cache). A granted load
+whose chunk objects no longer match the lookup's sources is looked up again; a prefix that
+is gone by then is a failed load, recomputed. Nothing here raises into the engine after the
+constructor: a failure below costs a recompute or a save, logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlayer.keys import ChunkKey
+from kvlayer.layout import KVLayout
+from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, finish_saves, loads_layerwise
+from kvlayer.staging import Staging
+from kvlayer.tier_manager import TierManager
+from kvlayer.transfer import slot_mapping, wait_for_copies
+from kvlayer.windows import Found, load_objects, save_keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load tokens ``[start, end)`` of request ``request_id`` into its blocks ``block_ids`` (those
+    covering tokens ``0..end-1``). ``token_ids`` are its tokens from 0 over at least the chunks
+    holding ``[0, end)`` (keys are computed from them under ``salt``); ``sources`` the tier of
+    each chunk object the lookup found (``Found.sources``)."""
+
+    request_id: str
+    salt: str | None
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    sources: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the chunks of request ``request_id`` that end after token ``first`` and within
+    ``token_ids`` (its tokens from 0), whose KV is in its blocks ``block_ids``."""
+
+    request_id: str
+    salt: str | None
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    first: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """One engine step's loads and saves; what a scheduler side tells its workers."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+
+
+Keys = Callable[[str, Sequence[int], "str | None"], list[ChunkKey]]
+"""(request id, token ids, salt) -> the request's chunk keys over those tokens (cached)."""
+Lookup = Callable[[Sequence[ChunkKey], int, int], Found]
+"""(keys, start, limit) -> what the tiers hold now (``kvlayer.windows.find_prefix``, uncounted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What ``StepTransfer`` runs with: ``KVCacheEngine``'s internals, handed over by it alone.
+    ``loader`` runs layer-by-layer loads; ``streams`` are CUDA's (load, store) or (None, None)."""
+
+    tiers: TierManager
+    staging: Staging
+    groups: list[tuple[int, int]]
+    layout: KVLayout
+    device: torch.device
+    layerwise: str
+    keys: Keys
+    lookup: Lookup
+    loader: Executor
+    streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
+    threads: int = 1
+
+
+def slots_of(layout: KVLayout, block_ids: Sequence[int], end: int, device: torch.device) -> torch.Tensor:
+    """The copy rows of tokens ``0..end-1`` in blocks ``block_ids``: block ids for a layout of
+    opaque blocks (``KVLayout.opaque_blocks``), else token slots; int64 on ``device``."""
+    if layout.opaque_blocks:
+        return torch.tensor(list(block_ids[: -(-end // layout.block_size)]), dtype=torch.long, device=device)
+    return slot_mapping(block_ids, layout.block_size, 0, end, device)
+
+
+@dataclass(slots=True)
+class StepCounts:
+    """What one step moved: tokens loaded and asked for, chunks staged for saving."""
+
+    loaded_tokens: int = 0
+    wanted_tokens: int = 0
+    saved_chunks: int = 0
+    moved: list[tuple[list[ChunkKey], Sequence[int], int]] = field(default_factory=list)
+    """Per save or load: (the request's chunk keys, its token ids, the first token of the chunks moved)."""
+
+
+class StepTransfer:
+    """One step's transfers over ``caches`` (one paged view per layer, ``KVLayout.paged_view``).
+
+    Built by ``KVCacheEngine.start_step``; call ``wait_layer(i)`` before layer i's attention
+    reads the cache, ``save_layer(i, cache)`` after it wrote the layer, then ``finish`` once.
+    ``slots``: per request id, its copy rows given directly (int64 on the caches' device, as
+    ``slots_of`` makes them from block ids), for a whole transfer with nothing computing
+    beside it (``KVCacheEngine.store``/``retrieve``): it loads everything before the
+    constructor returns and gathers its saves in ``finish``, both on torch's threads.
+    """
+
+    def __init__(self, ctx: StepContext, spec: StepSpec, caches: Sequence[torch.Tensor],
+                 slots: Mapping[str, torch.Tensor] | None = None) -> None:
+        self._ctx = ctx
+        self._spec = spec
+        self._caches = list(caches)
+        self._slots = dict(slots or {})
+        self._whole = slots is not None
+        self._load: LoadJob | None = None
+        self._save: SaveJob | None = None
+        self._failed: dict[str, int] = {}
+        self.counts = StepCounts()
+        try:
+            self._save = self._prepare_saves()
+        except Exception:  # a bug below must cost a save, never the engine
+            log.exception("kvlayer: preparing the step's saves failed")
+        try:
+            self._load = self._start_loads()
+        except Exception:
+            log.exception("kvlayer: preparing the step's loads failed; they are recomputed")
+            self._failed = {ld.request_id: ld.start for ld in spec.loads}
+
+    def _prepare_saves(self) -> SaveJob | None:
+        ctx = self._ctx
+        items = []
+        for s in self._spec.saves:
+            known = ctx.keys(s.request_id, s.token_ids, s.salt)
+            keys = [k for k in known if s.first < k.end <= len(s.token_ids)]
+            if keys:
+                self.counts.moved.append((known, s.token_ids, keys[0].start))
+                items.append(SaveItem(s.request_id, tuple(save_keys(ctx.layout, keys)),
+                                      self._rows(s.request_id, s.block_ids, keys[-1].end)))
+        if not items:
+            return None
+        threads = ctx.threads if self._whole else 1
+        return SaveJob(ctx.tiers, ctx.staging, items, ctx.streams[1], threads=threads)
+
+    def _start_loads(self) -> LoadJob | None:
+        ctx = self._ctx
+        items = [self._load_item(ld) for ld in self._spec.loads]
+        for ld, item in zip(self._spec.loads, items):
+            self.counts.wanted_tokens += ld.end - ld.start
+            if item is None:
+                self._failed[ld.request_id] = ld.start
+        ready = [item for item in items if item is not None]
+        if not ready:
+            return None
+        layerwise = not self._whole and loads_layerwise(ctx.layerwise, ctx.device, ctx.tiers, ready)
+        job = LoadJob(ctx.tiers, ctx.staging, ctx.groups, self._caches, ready,
+                      ctx.loader if layerwise else None, ctx.streams[0] if layerwise else None)
+        return job
+
+    def _load_item(self, ld: LoadSpec) -> LoadItem | None:
+        """The read of ``ld``'s chunk objects, or None if the tiers no longer hold its prefix."""
+        ctx = self._ctx
+        keys = [k for k in ctx.keys(ld.request_id, ld.token_ids, ld.salt) if k.start < ld.end]
+        objs = load_objects(ctx.layout, keys, ld.start, ld.end)
+        sources = ld.sources
+        if len(objs) != len(sources):  # granted for another end (or by another lookup): ask again
+            found = ctx.lookup(keys, ld.start, ld.end)
+            if found.num_tokens < ld.end:
+                return None
+            objs, sources = list(found.keys), found.sources
+        self.counts.moved.append((keys, ld.token_ids, next((k.start for k in keys if k.end > ld.start), ld.start)))
+        slots = self._rows(ld.request_id, ld.block_ids, ld.end)
+        return LoadItem(ld.request_id, tuple(objs), tuple(sources), slots, ld.start, ld.end,
+                        whole=ctx.layout.windowed)
+
+    def _rows(self, rid: str, block_ids: Sequence[int], end: int) -> torch.Tensor:
+        given = self._slots.get(rid)
+        return given if given is not None else slots_of(self._ctx.layout, block_ids, end, self._ctx.device)
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` holds what this step loads (or its load failed)."""
+        if self._load is not None:
+            self._load.wait_layer(layer)
+
+    def save_layer(self, layer: int, cache: torch.Tensor) -> None:
+        """Copy layer ``layer`` of the step's completed chunks out of ``cache`` (right after its
+        attention wrote it); a no-op with ``layerwise: off`` or for a whole transfer."""
+        if self._save is not None and not self._whole and self._ctx.layerwise != "off":
+            try:
+                self._save.layer(layer, cache)
+            except Exception:
+                log.exception("kvlayer: copying layer %d of the step's saves failed; they are dropped", layer)
+                self._save = None
+
+    def finish(self) -> dict[str, int]:
+        """After the forward pass: the failed loads (request -> valid leading tokens), then the
+        saves (those a failed load invalidated dropped) handed to the tiers. Call once."""
+        load, save, self._load, self._save = self._load, self._save, None, None
+        if load is not None:
+            self._failed.update(load.failures())
+            if self._whole:
+                wait_for_copies(self._ctx.device)
+        loads = self._spec.loads
+        loaded = sum(self._failed.get(ld.request_id, ld.end) - ld.start for ld in loads)
+        self.counts.loaded_tokens = max(0, loaded)
+        self.counts.saved_chunks = len(save) if save is not None else 0
+        if save is not None and self._whole:
+            try:
+                save.gather_all(self._caches)
+                wait_for_copies(self._ctx.device)
+            except Exception:
+                log.exception("kvlayer: copying the chunks to store failed")
+                save.finish({rid: 0 for rid in {s.request_id for s in self._spec.saves}})
+                return dict(self._failed)
+            save.finish(self._failed)
+        else:
+            finish_saves(save, self._caches, self._failed, self._ctx.layerwise == "off")
+        return dict(self._failed)
+
+    def failed_blocks(self) -> set[int]:
+        """After ``finish``: the blocks of this step's loads that hold no valid KV."""
+        bs = self._ctx.layout.block_size
+        out: set[int] = set()
+        for ld in self._spec.loads:
+            valid = self._failed.get(ld.request_id)
+            if valid is not None and valid < ld.end:
+                out.update(ld.block_ids[valid // bs : -(-ld.end // bs)])
+        return out
