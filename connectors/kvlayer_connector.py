@@ -88,7 +88,7 @@ class KVLayerConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLayerMetadata:
         for rid in scheduler_output.finished_request_ids:
-            self.request_finished_id(rid)
+            self._forget(rid)
         loads, saves = [], []
         for s in scheduler_output.scheduled:
             self._tracker.update(s.request_id, s.token_ids, s.num_prompt_tokens, s.cache_salt, s.block_ids)
@@ -126,10 +126,10 @@ class KVLayerConnector(KVConnectorBase):
 
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
         """Forget the request (finished, or aborted between steps): every save of it is done."""
-        self.request_finished_id(request.request_id)
+        self._forget(request.request_id)
         return False
 
-    def request_finished_id(self, rid: str) -> None:
+    def _forget(self, rid: str) -> None:
         self._tracker.finished(rid)
         self.kv.forget([rid])
 

@@ -79,7 +79,7 @@ class WorkerSide:
     def start_load(self) -> None:
         """Start the step's loads and prepare its saves (once per step; the first of vLLM's
         per-step calls to come does it)."""
-        if self._step is None:
+        if self._step is None and (self._meta.loads or self._meta.saves):  # most decode steps move nothing
             self._step = self.kv.start_step(self._meta, self._views)
             if self.events is not None:  # a chunk saved, or promoted on its way up, enters a tier
                 for keys, token_ids, first in self._step.counts.moved:
@@ -102,12 +102,11 @@ class WorkerSide:
 
     def finish(self) -> None:
         """After the forward pass: collect failed loads, then store the step's saved chunks."""
-        if not self._meta.loads and not self._meta.saves:
-            self._errors = set()
-            return
         self.start_load()
         step, self._step, self._meta = self._step, None, StepSpec()
-        assert step is not None
+        if step is None:
+            self._errors = set()
+            return
         step.finish()
         self._errors = step.failed_blocks()
         counts = step.counts
