@@ -230,10 +230,11 @@ class ConfigFactory:
         return names
 
     def build(self, name: str, layerwise: bool | str = "on", label: str | None = None,
-              window_aware: bool = True) -> BenchConfig:
+              window_aware: bool = True, verify_fraction: float = 0.0) -> BenchConfig:
         """A fresh configuration: kvlayer ones get an empty NVMe folder and their own Redis keys
         (and ``storage_quantization`` from a ``:int8``/``:fp8`` suffix; ``window_aware`` False
-        loads full KV on a model with sliding windows); ValueError as ``parse_name``."""
+        loads full KV on a model with sliding windows; ``verify_fraction`` as the config key);
+        ValueError as ``parse_name``."""
         base, quantization = parse_name(name)
         if base in BASELINES:
             return BenchConfig(name, label or name, BASELINES[base], None)
@@ -247,6 +248,8 @@ class ConfigFactory:
             kv["storage_quantization"] = quantization
         if not window_aware:
             kv["window_aware"] = False
+        if verify_fraction:
+            kv["verify_fraction"] = verify_fraction
         return BenchConfig(name, label or name, self.kvlayer_prefix_caching, kv)
 
     def close(self) -> None:

@@ -16,6 +16,9 @@ For each prefix length n (the prompt is n cached tokens + ``--suffix`` new ones)
   overlap) and / (load + suffix) (1.0 = no overlap at all), for the full hit and, with
   ``--partial``, for the half-cached prompt;
 - per configuration, the crossover prefix length below which recomputing beats loading;
+- ``--verify``: every kvlayer configuration also with ``verify_fraction`` 1.0, where each hit
+  is recomputed and compared with the stored chunks (``ttft_verify``): what a verified hit
+  costs over recompute, and the mean TTFT at production sampling rates;
 - quantized storage (``nvme:int8``, ``redis:fp8``, ...: ``configs.parse_name``): the same
   figures, with the floor over the bytes the tier holds, plus (``ttft_storage``) the bytes per
   token its tier holds, its hit TTFT and load over the exact configuration's of the same run,
@@ -31,6 +34,7 @@ from typing import Any
 
 from kvlayer.benchmarks import ttft_measure as tm
 from kvlayer.benchmarks import ttft_storage as ts
+from kvlayer.benchmarks import ttft_verify as tv
 from kvlayer.benchmarks.common import (
     add_plot_argument,
     close_figure,
@@ -66,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-aware", choices=sorted(WINDOW_AWARE), default="on",
                    help="on a model with sliding windows (--model): kvlayer's window-aware loads, full-KV "
                         "loads (off), or both compared")
+    p.add_argument("--verify", action="store_true",
+                   help="also run each kvlayer configuration with verify_fraction 1.0 (every hit recomputed and "
+                        "compared with the stored KV) and report what hit verification costs")
     add_config_arguments(p)
     add_plot_argument(p)
 
@@ -85,6 +92,10 @@ def main(args: argparse.Namespace) -> int:
         kv_names = [n for n in names if n not in BASELINES]
         variants = [factory.build(n, lw, _label(n, lw, wa, args), window_aware=wa)
                     for n in kv_names for lw in LAYERWISE[args.layerwise] for wa in WINDOW_AWARE[args.window_aware]]
+        if args.verify:
+            variants += [factory.build(v.name, v.kv_config["layerwise"], f"{v.label} {tv.SUFFIX}",
+                                       window_aware=v.kv_config.get("window_aware", True), verify_fraction=1.0)
+                         for v in list(variants)]
         baselines = {n: factory.build(n) for n in BASELINES}
         with progress(len(lengths) * (2 + len(variants)), "ttft") as advance:
             base = tm.measure_baselines(model, args.device, prompts, args.partial, max_len, baselines, advance,
@@ -146,7 +157,7 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
     out_variants = {}
     for v in variants:
         ceiling = ceilings.get(tm.CEILING_OF.get(v.base, "memcpy"), bandwidth)
-        rows, stored = runs[v.label]
+        rows, stored, verified = runs[v.label]
         moved = stored.bytes_per_token if stored is not None and v.quantization != "none" else per_token
         for r in rows:
             b = base[r["prefix"]]
@@ -160,6 +171,7 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
         out_variants[v.label] = {"config": v.name, "base": v.base, "quantization": v.quantization,
                                  "layerwise": v.kv_config["layerwise"], "kv_config": v.public_kv_config(),
                                  "window_aware": v.kv_config.get("window_aware", True),
+                                 "verify_fraction": v.kv_config.get("verify_fraction", 0.0), "verified": verified,
                                  "stored": stored.to_json() if stored is not None else None,
                                  "stored_bytes_per_token": stored.bytes_per_token if stored is not None else None,
                                  "by_length": rows,
@@ -169,7 +181,8 @@ def build_record(args: argparse.Namespace, facts: dict[str, Any], lengths: list[
             "settings": settings_of(args),
             "ceilings_gib_s": {k: v / 2**30 for k, v in ceilings.items()}, "lengths": lengths,
             "baselines": {str(n): b for n, b in base.items()}, "variants": out_variants,
-            "layerwise": overlap(out_variants, base), "window_aware": windows(out_variants)}
+            "layerwise": overlap(out_variants, base), "window_aware": windows(out_variants),
+            "verification": tv.compare(out_variants, base)}
 
 
 def overlap(variants: dict[str, dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -241,6 +254,7 @@ def report(record: dict[str, Any]) -> None:
                       w["aware_bytes"] / 2**20, w["full_bytes"] / 2**20, w["bytes_ratio"]]
                      for w in record["window_aware"]])
     ts.print_storage(record)
+    tv.report(record)
     print("crossover: the cached prefix length below which recomputing is cheaper than loading")
     for label, v in record["variants"].items():
         print(f"  {label}: {v['crossover']['text']} tokens")

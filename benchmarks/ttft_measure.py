@@ -163,10 +163,12 @@ def loaded_bytes(layout: Any, after: dict[str, int], before: dict[str, int]) -> 
 
 class VariantRun(NamedTuple):
     """``measure_variant``'s answer: a row per prefix length, and what the configuration's lowest
-    tier held per token at the end (None for a memory tier; see ``ttft_storage.stored_bytes``)."""
+    tier held per token at the end (None for a memory tier; see ``ttft_storage.stored_bytes``),
+    and its hit verification counters at the end (``verified_hits``, ``verify_mismatches``)."""
 
     rows: list[dict[str, Any]]
     stored: Stored | None
+    verified: dict[str, int]
 
 
 def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[Prompts], partial: bool,
@@ -183,7 +185,9 @@ def measure_variant(model: str, device: str, config: BenchConfig, prompts: list[
         ce = cache_engine(llm)
         ce.flush()
         stored = stored_bytes(llm, config, len(ce.layout.window_groups))
-    return VariantRun(rows, stored)
+        stats = llm.kv_stats()
+        verified = {k: int(stats.get(k, 0)) for k in ("verified_hits", "verify_mismatches")}
+    return VariantRun(rows, stored, verified)
 
 
 def _measure_length(llm: Any, config: BenchConfig, p: Prompts, chunk: int, partial: bool,

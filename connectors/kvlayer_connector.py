@@ -50,7 +50,8 @@ class KVLayerConnector(KVConnectorBase):
         self.config = self.kv.config
         policy = SavePolicy(self.config.chunk_size, self.config.save_decode_cache, self.config.save_partial_chunks,
                             self.kv.layout.windowed)
-        self._tracker = RequestTracker(self._lookup, policy, ctx.block_size)
+        self._tracker = RequestTracker(self._lookup, policy, ctx.block_size,
+                                       verify_fraction=self.config.verify_fraction)
         self._caches: list[torch.Tensor] = []
         self._step: StepTransfer | None = None
         self._failed: dict[str, int] = {}

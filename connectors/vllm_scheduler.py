@@ -39,7 +39,8 @@ class SchedulerSide:
         self.config = config
         self._lookups = lookups
         policy = SavePolicy(config.chunk_size, config.save_decode_cache, config.save_partial_chunks)
-        self._tracker = RequestTracker(self._ask, policy, block_size, align=block_size, reuse_s=REUSE_LOOKUP_S)
+        self._tracker = RequestTracker(self._ask, policy, block_size, align=block_size, reuse_s=REUSE_LOOKUP_S,
+                                       verify_fraction=config.verify_fraction)
 
     def _ask(self, rid: str, token_ids: Sequence[int], salt: str | None, start: int, limit: int) -> Found:
         found, sources = self._lookups.lookup(token_ids, salt, request_id=rid, start=start, limit=limit)

@@ -146,7 +146,7 @@ class KVCacheEngine:
         return StepContext(self.tiers, self.chunk_staging, self.groups, self.layout, self.device,
                            self.config.layerwise, self._request_keys if keys is None else lambda *_: keys,
                            self._relookup, self._loader,
-                           self._streams, torch.get_num_threads())
+                           self._streams, torch.get_num_threads(), self.config.storage_quantization)
 
     def _relookup(self, keys: Sequence[ChunkKey], start: int, limit: int) -> Found:
         return find_prefix(self.tiers, self.layout, keys, start, limit, False)

@@ -70,6 +70,9 @@ class KVLayerConfig:
     instance_role: str = "both"
     """One of ``INSTANCE_ROLES``; registered with the controller, where routers read it."""
     cache_salt: str = ""
+    verify_fraction: float = 0.0
+    """The share of hits, in [0, 1], that are recomputed and compared with the stored KV instead
+    of loaded (``kvlayer.verify``, docs/architecture.md section 14); 0: none."""
     metrics_port: int = 0
     metrics_host: str = "127.0.0.1"
     tiers: Mapping[str, Section] = field(default_factory=FrozenMap)
@@ -102,6 +105,8 @@ class KVLayerConfig:
         if not 0 < self.unhealthy_backoff_ms <= self.unhealthy_backoff_max_ms:
             raise ConfigError("need 0 < unhealthy_backoff_ms <= unhealthy_backoff_max_ms, got "
                               f"{self.unhealthy_backoff_ms} and {self.unhealthy_backoff_max_ms}")
+        if not 0.0 <= self.verify_fraction <= 1.0:  # NaN fails too
+            raise ConfigError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in 0..65535 (0: off), got {self.metrics_port}")
 

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 COUNTERS: tuple[str, ...] = (
     "lookups", "lookup_chunks", "lookup_hit_chunks", "hit_tokens", "get_chunks", "get_bytes", "put_chunks", "put_bytes",
     "evictions", "errors", "timeouts", "checksum_errors", "promotions", "promotions_declined", "skipped_unhealthy",
+    "verified_hits", "verify_mismatches",
 )
 HISTOGRAMS: tuple[str, ...] = ("get_seconds", "put_seconds")
 BUCKETS: tuple[float, ...] = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

@@ -144,12 +144,13 @@ class ChunkReads:
         timeout), the layer then holding garbage."""
         return self._done[self._group_of[layer]].wait(self._tiers.op_timeout if timeout is None else timeout)
 
-    def finish(self) -> list[int]:
+    def finish(self, credit: bool = True) -> list[int]:
         """Wait for the reads; per plan, how many leading candidates are verified.
 
-        Credits each verified chunk's tokens to its tier (``hit_tokens``) and has the tier
-        manager promote the lower tiers' verified chunks into the tiers above theirs. A read
-        still running after the timeout counts as failed.
+        With ``credit`` (a hit's reads; not a verification's, ``kvlayer.verify``) credits each
+        verified chunk's tokens to its tier (``hit_tokens``) and has the tier manager promote
+        the lower tiers' verified chunks into the tiers above theirs. A read still running
+        after the timeout counts as failed.
         """
         pending = [r.task for r in self._reads if r.task is not None]
         if pending:
@@ -164,6 +165,8 @@ class ChunkReads:
             while n < len(cands) and cands[n].verified():
                 n += 1
             counts.append(n)
+            if not credit:
+                continue
             for key, cand in zip(plan.keys, cands[:n]):
                 self._guarded[cand.source].metrics.inc("hit_tokens", key.num_tokens)
             if n:

@@ -15,7 +15,10 @@ rules every engine shares:
   (``skipped_saves``); chunks a window-aware load covered are never saved again (their window
   layers' KV was not loaded);
 - after a failed load, the chunks from the first invalid token on are saved again once
-  recomputed (``load_failed``).
+  recomputed (``load_failed``);
+- a share ``verify_fraction`` of the requests with a hit are told it is a miss: the engine
+  computes those tokens and their saves compare them with the stored chunks instead
+  (``SaveSpec.verify_upto``, ``kvlayer.verify``).
 
 It holds no tiers and no keys: lookups go through ``lookup`` (in-process for the bundled
 engine, over the lookup channel for vLLM). Use it from the engine's scheduler thread.
@@ -24,6 +27,7 @@ engine, over the lookup channel for vLLM). Use it from the engine's scheduler th
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +66,9 @@ class _Request:
     complete_from: int = 0
     asked: tuple[int, int, float] | None = None
     """The last lookup's (token count, start, when), reused while the request waits."""
+    sampled: bool | None = None
+    """Whether the request's hit is verified instead of loaded (decided at its first hit)."""
+    verify_upto: int = 0
 
 
 class RequestTracker:
@@ -70,12 +77,15 @@ class RequestTracker:
     ``lookup`` answers ``matched``; ``block_size`` is the engine's; ``align`` the granularity of a
     hit (vLLM's: its block size); ``reuse_s``: how long a
     waiting request's lookup answer is reused when asked again for the same tokens (vLLM asks
-    at every step until it admits the request; 0: always ask).
+    at every step until it admits the request; 0: always ask); ``verify_fraction``: the share of
+    requests with a hit whose hit is verified instead of loaded (``KVLayerConfig.verify_fraction``).
     """
 
     def __init__(self, lookup: TrackerLookup, policy: SavePolicy, block_size: int, align: int = 1,
-                 reuse_s: float = 0.0) -> None:
+                 reuse_s: float = 0.0, verify_fraction: float = 0.0) -> None:
         self._lookup = lookup
+        self._verify_fraction = verify_fraction
+        self._random = random.Random()
         self.policy = policy
         self._block_size = block_size
         self._align = max(1, align)
@@ -108,7 +118,13 @@ class RequestTracker:
             st.found = self._lookup(rid, token_ids, salt, num_computed, limit) if limit > num_computed else Found(0)
             st.asked = (*asked, now)
         st.start = num_computed
-        return max(0, min(st.found.num_tokens, limit) - num_computed)
+        hit = max(0, min(st.found.num_tokens, limit) - num_computed)
+        if hit and st.sampled is None:
+            st.sampled = self._random.random() < self._verify_fraction
+        if hit and st.sampled:
+            st.verify_upto = max(st.verify_upto, num_computed + hit)
+            return 0
+        return hit
 
     def allocated(self, rid: str, block_ids: Sequence[int] | None, num_external: int) -> None:
         """The engine allocated the request's blocks (its whole table, if given), ``num_external``
@@ -199,7 +215,8 @@ class RequestTracker:
         if not held:
             return None
         due = held[-1]
-        return SaveSpec(rid, st.salt, tuple(st.token_ids[:due]), tuple(st.block_ids[: self._blocks(due)]), first)
+        return SaveSpec(rid, st.salt, tuple(st.token_ids[:due]), tuple(st.block_ids[: self._blocks(due)]), first,
+                        st.verify_upto)
 
     def _holds(self, block_ids: Sequence[int], start: int, end: int) -> bool:
         """Whether every block of tokens ``[start, end)`` is allocated and held."""

@@ -37,6 +37,7 @@ from kvlayer.pipeline import LoadItem, LoadJob, SaveItem, SaveJob, finish_saves,
 from kvlayer.staging import Staging
 from kvlayer.tier_manager import TierManager
 from kvlayer.transfer import slot_mapping, wait_for_copies
+from kvlayer.verify import Verification, VerifyItem
 from kvlayer.windows import Found, load_objects, save_keys
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,16 @@ class LoadSpec:
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
     """Store the chunks of request ``request_id`` that end after token ``first`` and within
-    ``token_ids`` (its tokens from 0), whose KV is in its blocks ``block_ids``."""
+    ``token_ids`` (its tokens from 0), whose KV is in its blocks ``block_ids``. Those starting
+    before ``verify_upto`` held a sampled hit the engine recomputed: they are compared with the
+    stored objects instead (``kvlayer.verify``)."""
 
     request_id: str
     salt: str | None
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     first: int
+    verify_upto: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,8 @@ class StepContext:
     loader: Executor
     streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
     threads: int = 1
+    quantization: str = "none"
+    """The serialising tiers' ``storage_quantization`` (what verification allows for)."""
 
 
 def slots_of(layout: KVLayout, block_ids: Sequence[int], end: int, device: torch.device) -> torch.Tensor:
@@ -141,6 +147,7 @@ class StepTransfer:
         self._whole = slots is not None
         self._load: LoadJob | None = None
         self._save: SaveJob | None = None
+        self._verify: Verification | None = None
         self._failed: dict[str, int] = {}
         self.counts = StepCounts()
         try:
@@ -155,14 +162,20 @@ class StepTransfer:
 
     def _prepare_saves(self) -> SaveJob | None:
         ctx = self._ctx
-        items = []
+        items, checks = [], []
         for s in self._spec.saves:
             known = ctx.keys(s.request_id, s.token_ids, s.salt)
             keys = [k for k in known if s.first < k.end <= len(s.token_ids)]
-            if keys:
-                self.counts.moved.append((known, s.token_ids, keys[0].start))
-                items.append(SaveItem(s.request_id, tuple(save_keys(ctx.layout, keys)),
-                                      self._rows(s.request_id, s.block_ids, keys[-1].end)))
+            if not keys:
+                continue
+            rows = self._rows(s.request_id, s.block_ids, keys[-1].end)
+            self.counts.moved.append((known, s.token_ids, keys[0].start))
+            # the held chunks of a sampled hit are compared; the saves skip them (held already)
+            if sampled := [k for k in keys if k.start < s.verify_upto]:
+                checks.append(VerifyItem(s.request_id, tuple(save_keys(ctx.layout, sampled)), rows))
+            items.append(SaveItem(s.request_id, tuple(save_keys(ctx.layout, keys)), rows))
+        if checks:
+            self._verify = Verification(ctx.tiers, ctx.staging, checks, ctx.quantization)
         if not items:
             return None
         threads = ctx.threads if self._whole else 1
@@ -226,6 +239,9 @@ class StepTransfer:
             self._failed.update(load.failures())
             if self._whole:
                 wait_for_copies(self._ctx.device)
+        if self._verify is not None:
+            self._verify.run(self._caches, self._failed)
+            self._verify = None
         loads = self._spec.loads
         loaded = sum(self._failed.get(ld.request_id, ld.end) - ld.start for ld in loads)
         self.counts.loaded_tokens = max(0, loaded)

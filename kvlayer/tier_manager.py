@@ -50,6 +50,8 @@ from kvlayer.tier_guard import LOG_EVERY_S, GuardedTier
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+VERIFY_COUNTERS = ("verified_hits", "verify_mismatches")
+"""Per-tier counters of sampled hit verification (``kvlayer.verify``) also summed in ``stats()``."""
 _Plan = list[tuple[GuardedTier, list[ChunkKey], list[MemoryObj]]]
 
 
@@ -177,7 +179,8 @@ class TierManager:
     def stats(self) -> dict[str, Any]:
         """Plain data: ``{"tiers": {name: {<every counter and histogram of kvlayer.metrics>,
         rank, in_memory, used_bytes, capacity_bytes, health: {...}, backend: {...}}},
-        "pending_writes": int, "loaded_tokens": {layer group: tokens}}`` (``backend`` is the
+        "pending_writes": int, "loaded_tokens": {layer group: tokens}, "verified_hits": int,
+        "verify_mismatches": int}`` (the last two summed over the tiers; ``backend`` is the
         backend's own ``stats()``; ``loaded_tokens`` counts the tokens whose KV loads wrote into
         the engine's cache, per ``WindowGroup.name``)."""
         tiers = {}
@@ -189,7 +192,8 @@ class TierManager:
                              "backend": t.backend.stats()}
         with self._idle:
             pending = len(self._pending)
-        return {"tiers": tiers, "pending_writes": pending, "loaded_tokens": self._metrics.loaded_tokens()}
+        return {"tiers": tiers, "pending_writes": pending, "loaded_tokens": self._metrics.loaded_tokens(),
+                **{name: sum(t[name] for t in tiers.values()) for name in VERIFY_COUNTERS}}
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for background writes (up to ``timeout`` s), then close every backend; idempotent."""

@@ -107,6 +107,24 @@ def test_ttft_with_one_loading_mode_names_configs_plainly(tiny_model_dir, tmp_pa
     assert "layer-by-layer loading" not in printed and "partial hit" not in printed
 
 
+def test_ttft_verify_runs_each_config_verified_beside_it(tiny_model_dir, tmp_path, capsys):
+    rec, printed = _run(tmp_path, capsys, "ttft", "--model", tiny_model_dir, "--lengths", "64", "--suffix", "4",
+                        "--chunk-size", "32", "--configs", "recompute,nvme", "--layerwise", "on", "--verify")
+    assert list(rec["variants"]) == ["nvme", "nvme verify"]
+    plain, verified = rec["variants"]["nvme"], rec["variants"]["nvme verify"]
+    assert (plain["verify_fraction"], verified["verify_fraction"]) == (0.0, 1.0)
+    assert plain["by_length"][0]["hit_tiers"] == {"nvme": 64}
+    assert verified["by_length"][0]["hit_tiers"] == {}, "a verified hit is recomputed, not loaded"
+    assert verified["verified"] == {"verified_hits": 2, "verify_mismatches": 0}  # one hit of 2 chunks
+    assert plain["verified"] == {"verified_hits": 0, "verify_mismatches": 0}
+    assert verified["by_length"][0]["first_token_matches"] is True
+    [row] = rec["verification"]
+    assert row["config"] == "nvme verify" and row["hit_s"] == plain["by_length"][0]["hit_s"]
+    assert row["mean_at_0.1_s"] == pytest.approx(0.9 * row["hit_s"] + 0.1 * row["verified_s"])
+    assert "hit verification: every hit recomputed and compared" in printed
+    assert "nvme verify: verified_hits 2, verify_mismatches 0" in printed
+
+
 def _check_serving(results: list[dict], names: list[str], must_hit: list[str]) -> dict[str, dict]:
     by = {r["config"]: r for r in results}
     assert list(by) == names

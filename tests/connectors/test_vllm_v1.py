@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvlayer.engine.presets import init_model
 from tests.redis_server import RedisServer, require_binary
@@ -224,6 +225,44 @@ def test_nvme_hits_are_exact_and_a_second_process_hits_at_once(baseline, nvme_ru
     assert stored(nvme_run, [0, 1], "kvlayer:nvme") == sorted(chunks_of(nvme_run, 0, PROMPTS).items())
     assert replayed(nvme_run, "kvlayer:nvme") == held(nvme_run, "nvme")
     assert second["rounds"][0]["events"] == [], "files found at start-up are not announced (no tokens known)"
+
+
+def test_verification_catches_a_wrong_kv_under_a_right_key(baseline, nvme_run, llama, work, nvme_path) -> None:
+    """verify_fraction 1.0 in vLLM: the first prompt's chunk files are rewritten with another
+    prompt's KV under their own keys (valid checksums); every hit is recomputed and compared, the
+    wrong chunks are replaced on disk, and the next round verifies them as right."""
+    import shutil
+
+    from kvlayer.backends.nvme_files import chunk_path
+    from kvlayer.keys import ChunkKey
+    from kvlayer.serde import HEADER_SIZE, decode_header, decode_payload, encode_chunk
+
+    folder = work / "nvme-verify"
+    shutil.copytree(nvme_path, folder)
+    keys = nvme_run["rounds"][0]["keys"]
+    planted = {}
+    for i, (mine, other) in enumerate(zip(keys[0], keys[1])):  # PROMPTS[0] takes PROMPTS[1]'s KV
+        path, donor = (Path(chunk_path(str(folder), bytes.fromhex(d), i * CHUNK)) for d in (mine, other))
+        head, data = decode_header(path.read_bytes()), donor.read_bytes()
+        kv_of_other = torch.empty(head.shape, dtype=head.dtype)
+        donor_head = decode_header(data)
+        decode_payload(donor_head, data[HEADER_SIZE:], kv_of_other)
+        key = ChunkKey(head.key, head.tokens_digest, i * CHUNK, (i + 1) * CHUNK)
+        header, payload = encode_chunk(key, kv_of_other)
+        path.write_bytes(header + bytes(payload))
+        planted[path] = path.read_bytes()
+    cfg = {"cpu_capacity": 0, "nvme_path": str(folder), "nvme_capacity": "256MiB", "chunk_size": CHUNK,
+           "verify_fraction": 1.0}
+    run = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS[:1]}, {"prompts": PROMPTS[:1]}]},
+                work)
+    ref = baseline["rounds"][0]["tokens"][:1]
+    assert run["rounds"][0]["tokens"] == ref and run["rounds"][1]["tokens"] == ref
+    assert run["rounds"][0]["cached"] == [0], "a sampled hit is recomputed by vLLM"
+    first, second = tier(run, 0, "nvme"), tier(run, 1, "nvme")
+    assert first["verify_mismatches"] == len(planted) and first["hit_tokens"] == 0
+    assert all(p.read_bytes() != b for p, b in planted.items()), "the wrong chunks were replaced on disk"
+    assert second["verify_mismatches"] == len(planted)
+    assert second["verified_hits"] - first["verified_hits"] == len(planted), "the replacements are right"
 
 
 def test_a_corrupted_chunk_file_is_a_miss_and_a_counter(baseline, nvme_run, llama, work, nvme_path) -> None:
