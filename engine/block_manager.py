@@ -172,6 +172,17 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.last_block_hash = None
 
+    def forget_sole_blocks(self, seq: Sequence) -> list[int]:
+        """The ids of ``seq``'s blocks no other sequence holds, their hashes forgotten (their KV
+        is not to be hit again); the caller zeroes their KV before it frees them."""
+        ids = [bid for bid in seq.block_table[seq.num_freed_blocks :] if self.blocks[bid].ref_count == 1]
+        for bid in ids:
+            block = self.blocks[bid]
+            if block.hash is not None and self.cached.get(block.hash) == bid:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        return ids
+
     def _drop(self, bid: int) -> None:
         block = self.blocks[bid]
         block.ref_count -= 1

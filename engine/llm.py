@@ -2,11 +2,17 @@
 
 ``step()`` is the whole request path: schedule, load external KV, run the model (with the
 connector's per-layer hooks), wait for saves, sample, finish.
+
+Requests fail alone: a request whose sampling fails (its logits processor raises, its logits
+are NaN or infinite, its draw raises) finishes with reason ``"error"`` and a one-line
+``CompletionOutput.error``; the others in its step go on as if it had not been there. Bad
+sampling values never get that far: ``SamplingParams`` refuses them (``InvalidSamplingParam``).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
@@ -27,12 +33,14 @@ from kvlayer.engine.loader import load_model, model_fingerprint
 from kvlayer.engine.model_config import load_model_config
 from kvlayer.engine.model_runner import ModelRunner, kv_bytes_per_block
 from kvlayer.engine.outputs import CompletionOutput, RequestOutput
-from kvlayer.engine.sampling import SamplingParams, sample
+from kvlayer.engine.sampling import InvalidSamplingParam, Sampled, SamplingParams, sample_each
 from kvlayer.engine.scheduler import Scheduler, StepPlan
 from kvlayer.engine.sequence import Sequence as Seq
 from kvlayer.engine.tokenizer import Tokenizer
 
 PromptType = str | Mapping[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 class _ConnectorHooks:
@@ -104,10 +112,15 @@ class LLMEngine:
     # ----- requests ---------------------------------------------------------------------
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. ValueError for an empty, too long or invalid prompt."""
+        """Queue a request; returns its id. ValueError for an empty, too long or invalid prompt;
+        ``InvalidSamplingParam`` (a ValueError) for a stop token outside the vocabulary."""
         params = params or SamplingParams()
         text, ids, salt = self._parse_prompt(prompt)
         vocab = self.model_config.vocab_size
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise InvalidSamplingParam("stop_token_ids",
+                                       f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError("empty prompt: a request needs at least one token")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
@@ -189,9 +202,10 @@ class LLMEngine:
         return SchedulerOutput(scheduled, finished, self.config.block_size)
 
     def _postprocess(self, plan: StepPlan, logits: torch.Tensor, failed: dict[str, int]) -> list[RequestOutput]:
-        sampling = [s for s in plan.all if s.samples]
-        tokens = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
-        token_of = {id(s.seq): t for s, t in zip(sampling, tokens, strict=True)}
+        sampling = [s.seq for s in plan.all if s.samples]
+        drawn = sample_each(logits, [s.params for s in sampling], [s.generator for s in sampling],
+                            [s.output_token_ids for s in sampling])
+        drawn_of = {id(s): d for s, d in zip(sampling, drawn, strict=True)}
         now = time.perf_counter()
         outputs = []
         for item in plan.all:
@@ -205,17 +219,31 @@ class LLMEngine:
                 continue
             seq.num_computed_tokens += item.num_new
             self.block_manager.commit(seq)
-            if id(seq) not in token_of:
+            result = drawn_of.get(id(seq))
+            if result is None:
                 continue
-            token = token_of[id(seq)]
-            seq.token_ids.append(token)
-            if seq.times.first_token_time is None:
-                seq.times.first_token_time = now
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
+            if result.token is None:
+                self._fail(seq, result)
+            else:
+                self._advance(seq, result.token, now)
             outputs.append(self._output(seq))
         return outputs
+
+    def _advance(self, seq: Seq, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        if seq.times.first_token_time is None:
+            seq.times.first_token_time = now
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _fail(self, seq: Seq, result: Sampled) -> None:
+        """Finish ``seq`` alone with reason "error"; after a model fault the blocks only it holds
+        are zeroed before they are freed (``_free``)."""
+        log.warning("request %s failed: %s", seq.request_id, result.error)
+        seq.error = result.error
+        seq.scrub_kv = result.model_fault
+        self._finish(seq, "error")
 
     def _stop_reason(self, seq: Seq, token: int) -> str | None:
         p = seq.params
@@ -234,7 +262,12 @@ class LLMEngine:
         if hold:
             self._held[seq.request_id] = seq
         else:
-            self.block_manager.free_seq(seq)
+            self._free(seq)
+
+    def _free(self, seq: Seq) -> None:
+        if seq.scrub_kv:
+            self.runner.zero_blocks(self.block_manager.forget_sole_blocks(seq))
+        self.block_manager.free_seq(seq)
 
     def _release_saved(self) -> None:
         if self.connector is None or not self._held:
@@ -242,12 +275,12 @@ class LLMEngine:
         for rid in self.connector.get_finished():
             seq = self._held.pop(rid, None)
             if seq is not None:
-                self.block_manager.free_seq(seq)
+                self._free(seq)
 
     def _output(self, seq: Seq) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else None
         done = seq.is_finished
-        comp = CompletionOutput(0, tuple(seq.output_token_ids), text, seq.finish_reason)
+        comp = CompletionOutput(0, tuple(seq.output_token_ids), text, seq.finish_reason, seq.error)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, (comp,), done,
                              seq.num_cached_tokens, seq.num_external_tokens, seq.times)
 
@@ -290,7 +323,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in the order of ``prompts``."""
+        """Run every prompt to completion; outputs in the order of ``prompts`` (a request that
+        failed alone is among them, finished with reason "error" and its ``error``)."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

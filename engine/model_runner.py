@@ -1,7 +1,9 @@
 """Runs one scheduled step through the model: inputs, attention metadata, forward, logits.
 
 Owns the paged KV cache: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-per layer on the engine's device.
+per layer on the engine's device. A decode's block table is padded with its own last block, so
+the masked columns of one request's attention never read another request's KV (a NaN there
+would pass the mask: NaN + -inf is NaN).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero the KV of ``block_ids`` in every layer (a failed request's NaN or infinity)."""
+        if block_ids:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            for cache in self.kv_caches:
+                cache.index_fill_(1, index, 0)
+
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat ``input_ids``, ``positions`` and the attention metadata of ``plan``."""
         bs = self.block_size
@@ -48,7 +57,7 @@ class ModelRunner:
         decodes = plan.decodes
         if decodes:
             width = max(len(d.seq.block_table) for d in decodes)
-            tables = torch.tensor([d.seq.block_table + [0] * (width - len(d.seq.block_table)) for d in decodes],
+            tables = torch.tensor([_padded(d.seq.block_table, width) for d in decodes],
                                   dtype=torch.long, device=dev)
             lens = torch.tensor([d.seq.num_computed_tokens + 1 for d in decodes], dtype=torch.long, device=dev)
         else:
@@ -84,3 +93,8 @@ class ModelRunner:
             return torch.empty((0, self.cfg.vocab_size), dtype=torch.float32)
         index = torch.tensor(last, dtype=torch.long, device=hidden.device)
         return self.model.compute_logits(hidden.index_select(0, index))
+
+
+def _padded(table: list[int], width: int) -> list[int]:
+    """``table`` to ``width`` entries, repeating its last block (masked: only ever its own KV)."""
+    return table + [table[-1]] * (width - len(table))

@@ -11,12 +11,15 @@ from kvlayer.engine.sequence import RequestTimes
 class CompletionOutput:
     """One sampled continuation: ``token_ids`` generated so far, the stop token included (EOS
     or a ``stop_token_ids`` token ends it and is its last id); ``text`` their decoding when the
-    model has a tokenizer; ``finish_reason`` ``"stop"``, ``"length"`` or None while running."""
+    model has a tokenizer; ``finish_reason`` ``"stop"``, ``"length"``, ``"abort"`` (aborted by
+    the caller), ``"error"`` (this request alone failed: ``error`` says why, in one line; the
+    tokens before the failure are kept) or None while running."""
 
     index: int
     token_ids: tuple[int, ...]
     text: str | None
     finish_reason: str | None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,11 @@ class Sequence:
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        """Why the request failed (finish reason "error"), in one line."""
+        self.scrub_kv = False
+        """Its logits were not finite: the KV of blocks only it holds is zeroed before they are
+        freed, so no later owner's masked slots read NaN or infinity."""
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_freed_blocks = 0
