@@ -168,7 +168,8 @@ async def write_file(path: str, parts: Parts | Callable[[], Parts], fsync: bool)
     writer's thread), through a temporary file (``write_temp``, one worker-thread hop) renamed on
     this loop; with ``fsync`` the folder is flushed next, on a second hop. On any error (ENOSPC,
     EROFS, EACCES, an encoding's ValueError, cancellation) the temporary file is removed and the
-    error propagates; ``path`` is then untouched. Cancelled, it waits for its thread to end
+    error propagates; ``path`` is then untouched (or removed again, when the folder's flush
+    fails after the rename). Cancelled, it waits for its thread to end
     before it raises: the thread reads the caller's memory."""
     folder = os.path.dirname(path)
     fut = asyncio.get_running_loop().run_in_executor(None, write_temp, folder, parts, fsync)
@@ -187,7 +188,11 @@ async def write_file(path: str, parts: Parts | Callable[[], Parts], fsync: bool)
         unlink_quietly(tmp)
         raise
     if fsync:
-        await asyncio.to_thread(_fsync_dir, folder)
+        try:
+            await asyncio.to_thread(_fsync_dir, folder)
+        except BaseException:
+            unlink_quietly(path)  # the caller counts the write as failed: no file it does not know of
+            raise
 
 
 def write_temp(folder: str, parts: Parts | Callable[[], Parts], fsync: bool) -> str:

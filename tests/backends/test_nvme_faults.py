@@ -1,13 +1,13 @@
 """Fault injection for the NVMe tier: every fault is a miss (or a failed put), a counter, no exception.
 
-Covers corrupt, truncated, swapped, replaced and vanished files, EIO on read, ENOSPC, EACCES
-and EROFS on write, a read-only folder, the start-up scan, and a writer killed with SIGKILL.
+Covers corrupt, truncated, swapped, replaced and vanished files, EIO on read, EACCES at open,
+ENOSPC or EIO at fsync and rename, a real read-only folder (EROFS, in a private mount namespace),
+the start-up scan, and a writer killed with SIGKILL. A real full disk: ``test_disk_full.py``.
 Run: ``.venv/bin/python -m pytest tests/backends/test_nvme_faults.py``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -25,6 +25,7 @@ from kvlayer import serde
 from kvlayer.backends import nvme_files
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
+from tests.backends.private_mount import READ_ONLY, record_write_failures, run_with_mount
 from tests.backends.test_nvme import (
     chain,
     expected,
@@ -136,11 +137,6 @@ def test_eio_on_read_is_a_miss_logged_once(tmp_path: Path, monkeypatch: pytest.M
     run(scenario())
 
 
-def _write_then_fill_the_disk(fd: int, parts: Any) -> None:
-    os.write(fd, parts[0])
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
 def _refuse_write_opens(code: int) -> Callable[..., Any]:
     real_open = os.open
 
@@ -152,38 +148,39 @@ def _refuse_write_opens(code: int) -> Callable[..., Any]:
     return fake_open
 
 
-def _refuse_mkdir(path: str, *args: Any, **kw: Any) -> None:
-    raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
-
-
-def _no_room(fd: int, mode: int, offset: int, length: int) -> int:
-    """libc's ``fallocate`` on a full disk: -1, errno ENOSPC."""
-    ctypes.set_errno(errno.ENOSPC)
-    return -1
+def _fail(code: int) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+    return call
 
 
 WRITE_FAULTS: dict[str, tuple[Any, str, Any]] = {  # nvme_files.os is the os module: the faults hit the real calls
-    "ENOSPC mid-write": (nvme_files, "write_parts", _write_then_fill_the_disk),
+    # what no real filesystem gives root here: EACCES (root ignores mode bits), a failing fsync or
+    # rename (tmpfs never fails them); a full and a read-only disk are real in test_disk_full.py
+    # and test_a_read_only_folder_fails_puts_cleanly
     "EACCES at open": (nvme_files.os, "open", _refuse_write_opens(errno.EACCES)),
-    "EROFS at open": (nvme_files.os, "open", _refuse_write_opens(errno.EROFS)),
-    "EROFS at mkdir": (nvme_files.os, "makedirs", _refuse_mkdir),
-    "ENOSPC at preallocation": (nvme_files, "_fallocate", lambda: _no_room),
+    "ENOSPC at the file's fsync": (nvme_files.os, "fsync", _fail(errno.ENOSPC)),
+    "ENOSPC at rename": (nvme_files.os, "replace", _fail(errno.ENOSPC)),
+    "EIO at the folder's fsync": (nvme_files, "_fsync_dir", _fail(errno.EIO)),
 }
 
 
 @pytest.mark.parametrize("fault", WRITE_FAULTS.values(), ids=WRITE_FAULTS.keys())
 def test_failed_writes_are_counted_and_reads_go_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    fault: tuple[Any, str, Any]) -> None:
+    """Each failed write is a count and leaves nothing on disk (no temporary file, no chunk file
+    the index does not know: a file whose folder could not be flushed is deleted again)."""
     old, new, later = chain(3, seed=1), chain(3, seed=2), chain(2, seed=3)
 
     async def scenario() -> None:
-        backend = make_backend(tmp_path)
+        backend = make_backend(tmp_path, nvme_fsync=True)
         await put_keys(backend, old)
-        used = backend.usage()
+        used, files = backend.usage(), chunk_files(tmp_path)
         monkeypatch.setattr(*fault)
         await put_keys(backend, new)
         assert backend.stats()["write_errors"] == 3
         assert temp_files(tmp_path) == []
+        assert chunk_files(tmp_path) == files
         assert backend.usage() == used
         assert await backend.contains_prefix(new) == 0
         assert await get_fingerprints(backend, old) == expected(old)
@@ -194,28 +191,38 @@ def test_failed_writes_are_counted_and_reads_go_on(tmp_path: Path, monkeypatch: 
     run(scenario())
 
 
+def chunk_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.kvc")}
+
+
+OLD, NEW = chain(2, seed=1), chain(3, seed=2)
+
+
 def test_a_read_only_folder_fails_puts_cleanly(tmp_path: Path) -> None:
-    old, new = chain(2, seed=1), chain(3, seed=2)
+    """EROFS from the kernel, for root too: a child sees the folder through a private read-only
+    bind mount. Each put fails and is counted, at ``mkdir`` for a chunk whose folders are new and
+    at the temporary file's ``open`` for one whose folders exist; the files on disk still read."""
+    run(put_keys(make_backend(tmp_path), OLD))
+    Path(nvme_files.chunk_path(str(tmp_path), NEW[0].digest, NEW[0].start)).parent.mkdir(parents=True)
+    files = chunk_files(tmp_path)
+    seen = run_with_mount(tmp_path, READ_ONLY, "tests.backends.test_nvme_faults", "puts_on_a_read_only_folder")
+    assert seen == {"write_errors": len(NEW), "puts": 0, "failed": [[errno.EROFS, "mkdir"], [errno.EROFS, "open"]],
+                    "new": 0, "old": expected(OLD)}
+    assert chunk_files(tmp_path) == files and temp_files(tmp_path) == []
 
-    async def scenario() -> None:
-        backend = make_backend(tmp_path)
-        await put_keys(backend, old)
-        folders = [tmp_path, *(p for p in tmp_path.rglob("*") if p.is_dir())]
-        for d in folders:
-            d.chmod(0o555)
-        try:
-            await put_keys(backend, new)  # root ignores the mode bits; others get EACCES
-        finally:
-            for d in folders:
-                d.chmod(0o755)
+
+def puts_on_a_read_only_folder(root: str) -> dict[str, Any]:
+    """Run by the child of the test above."""
+    failures = record_write_failures()
+
+    async def scenario() -> dict[str, Any]:
+        backend = make_backend(root)
+        await put_keys(backend, NEW)
         stats = backend.stats()
-        assert stats["write_errors"] + stats["puts"] == len(old) + len(new)
-        if os.geteuid() != 0:
-            assert stats["write_errors"] == len(new)
-        assert await get_fingerprints(backend, old) == expected(old)
+        return {"write_errors": stats["write_errors"], "puts": stats["puts"], "failed": sorted(set(failures.calls)),
+                "new": await backend.contains_prefix(NEW), "old": await get_fingerprints(backend, OLD)}
 
-    run(scenario())
-    assert temp_files(tmp_path) == []
+    return run(scenario())
 
 
 def test_the_start_up_scan_removes_strays_and_keeps_foreign_files(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import redis as redis_sync
@@ -82,27 +82,29 @@ def test_killed_server_fails_fast_and_restart_resumes(redis_server: RedisServer)
 
 def test_server_killed_mid_workload(redis_server: RedisServer) -> None:
     """A loop of puts and gets while the server dies and comes back: no call outlives the
-    deadline, data read is always exact, and hits resume after the restart."""
+    deadline, every hit is the key's exact data, every hit and miss is counted, and whole
+    rounds of hits come both before the kill and after the restart."""
     keys = keys_of(8)
-    outcomes: list[tuple[float, float, bool]] = []  # (start, duration, succeeded)
+    rounds: list[Round] = []
 
     async def workload(backend: Any, stop: asyncio.Event) -> None:
         while not stop.is_set():
             start = time.monotonic()
             try:
                 await put_keys(backend, keys)
-                check_and_release(await backend.get_many(keys), keys)
-                ok = True
-            except Exception:
-                ok = False
-            outcomes.append((start, time.monotonic() - start, ok))
+                got = await backend.get_many(keys)
+            except (ConnectionError, TimeoutError, OSError, redis_sync.RedisError) as e:  # the dead server
+                rounds.append(Round(start, time.monotonic() - start, None, type(e).__name__))
+            else:  # outside the try: a wrong byte fails the test
+                rounds.append(Round(start, time.monotonic() - start, check_and_release(got, keys), ""))
             await asyncio.sleep(0.005)
 
-    async def main() -> None:
+    async def main() -> tuple[float, float, dict[str, int]]:
         async with opened(redis_server.url, tier_timeout_ms=TIMEOUT_MS) as backend:
             stop = asyncio.Event()
             task = asyncio.ensure_future(workload(backend, stop))
             await asyncio.sleep(0.2)
+            killed = time.monotonic()
             redis_server.kill()
             await asyncio.sleep(0.3)
             restarted = time.monotonic()
@@ -111,11 +113,26 @@ def test_server_killed_mid_workload(redis_server: RedisServer) -> None:
             stop.set()
             await task
             assert backend._staging.used_count == 0
-        assert max(d for _, d, _ in outcomes) < 2 * TIMEOUT_MS / 1000 + SLACK_S  # a put and a get
-        assert not all(ok for _, _, ok in outcomes)
-        assert any(ok for start, _, ok in outcomes if start > restarted)
+            return killed, restarted, backend.stats()
 
-    run(main())
+    killed, restarted, stats = run(main())
+    assert max(r.duration for r in rounds) < 2 * TIMEOUT_MS / 1000 + SLACK_S  # a put and a get
+    assert any(r.hits is None for r in rounds), "the kill should fail some rounds"
+    everything = [True] * len(keys)
+    assert any(r.hits == everything for r in rounds if r.start + r.duration < killed), "hits before the kill"
+    assert any(r.hits == everything for r in rounds if r.start > restarted), "hits resume after the restart"
+    served = [h for r in rounds if r.hits is not None for h in r.hits]
+    assert (stats["hits"], stats["misses"]) == (served.count(True), served.count(False))
+
+
+class Round(NamedTuple):
+    """One put-then-get round of ``test_server_killed_mid_workload``."""
+
+    start: float
+    duration: float
+    hits: list[bool] | None
+    """Which keys hit (each checked exact); None when a call failed."""
+    error: str
 
 
 def test_restart_between_calls_is_invisible(redis_server: RedisServer) -> None:

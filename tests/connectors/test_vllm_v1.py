@@ -10,11 +10,8 @@ publishes must name exactly the chunks that entered and left kvlayer's tiers.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +22,7 @@ import pytest
 import torch
 
 from kvlayer.engine.presets import init_model
+from tests.connectors.vllm_drive import ROOT, drive, result
 from tests.redis_server import RedisServer, require_binary
 
 # vLLM is only ever imported by the driver's processes: importing it here would swap triton for
@@ -33,7 +31,6 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM's CPU build is installed by scripts/setup.sh test", allow_module_level=True)
 
 pytestmark = pytest.mark.timeout(900)  # a test may start several engines (6 s each; 30-60 s in multiprocessing mode)
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64  # kvlayer chunk: 2 vLLM blocks of 32
 
 
@@ -54,34 +51,6 @@ def hits(prompt: list[int]) -> int:
     """The tokens kvlayer serves of ``prompt`` once stored: its full chunks, short of the last token."""
     usable = len(prompt) - 1
     return usable - usable % CHUNK
-
-
-def drive(spec: dict[str, Any], tmp: Path, mp: bool = False, background: bool = False) -> Any:
-    """Run one engine on ``spec``; its JSON result (or, ``background``, the process). The driver
-    runs in a session of its own, and ``result`` kills what is left of it (vLLM's engine-core and
-    worker processes in multiprocessing mode) once it has answered."""
-    path = tmp / f"spec-{time.monotonic_ns()}.json"
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if mp else "0",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "tests.connectors.vllm_driver", str(path)]
-    logs = Path(f"{path}.out"), Path(f"{path}.err")
-    with logs[0].open("w") as out, logs[1].open("w") as err:  # files: lingering children hold no pipe
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
-    proc.logs = logs  # type: ignore[attr-defined]
-    return proc if background else result(proc)
-
-
-def result(proc: subprocess.Popen[bytes], timeout: float = 600) -> Any:
-    out, err = proc.logs  # type: ignore[attr-defined]
-    try:
-        proc.wait(timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    lines = out.read_text().strip().splitlines()
-    assert proc.returncode == 0 and lines, f"the vLLM driver failed:\n{err.read_text()[-3000:]}"
-    return json.loads(lines[-1])
 
 
 def tier(run: dict[str, Any], rnd: int, name: str) -> dict[str, Any]:
@@ -351,19 +320,32 @@ def test_a_bad_extra_config_stops_the_start_up_with_kvlayers_message(llama, work
     assert "error" in run and message in run["error"]
 
 
-@pytest.mark.slow  # 30-60 s of engine start-up; the lookup channel is the same in every other test here
-def test_scheduler_and_worker_in_separate_processes(baseline, llama, work) -> None:
-    """vLLM's default mode: the lookups cross the channel, the metadata is carried by vLLM."""
+MP_PROMPTS = PROMPTS[:2]
+
+
+@pytest.fixture(scope="module")
+def mp_run(llama, work) -> dict[str, Any]:
+    """vLLM's default mode, the way every vLLM server runs: the scheduler (engine core) and the
+    worker in separate processes, so the lookups cross kvlayer's channel and the metadata is
+    carried by vLLM. One engine, two short prompts, twice."""
     cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
     endpoint = f"ipc://{work}/kv-events.sock"  # vLLM's ZMQ publisher, the driver its subscriber
-    run = drive({"model": llama, "kvlayer": cfg, "kv_events": endpoint,
-                 "rounds": [{"prompts": PROMPTS}, {"prompts": PROMPTS}]}, work, mp=True)
-    assert run["rounds"][0]["tokens"] == run["rounds"][1]["tokens"] == baseline["rounds"][0]["tokens"]
-    assert run["rounds"][1]["cached"] == [hits(p) for p in PROMPTS]
-    chunks = {tuple(p[i * CHUNK : (i + 1) * CHUNK]) for p in PROMPTS for i in range(len(p) // CHUNK)}
-    got = stored(run, [0], "kvlayer:cpu")  # the worker's events crossed into the engine-core process
+    return drive({"model": llama, "kvlayer": cfg, "kv_events": endpoint,
+                  "rounds": [{"prompts": MP_PROMPTS}, {"prompts": MP_PROMPTS}]}, work, mp=True)
+
+
+def test_scheduler_and_worker_in_separate_processes(baseline, mp_run) -> None:
+    ref = baseline["rounds"][0]["tokens"][: len(MP_PROMPTS)]
+    assert [r["tokens"] for r in mp_run["rounds"]] == [ref, ref], "vLLM's own greedy tokens, miss then hit"
+    assert mp_run["rounds"][0]["cached"] == [0] * len(MP_PROMPTS)
+    assert mp_run["rounds"][1]["cached"] == [hits(p) for p in MP_PROMPTS], "the scheduler's lookup found the chunks"
+
+
+def test_events_cross_from_the_worker_process(mp_run) -> None:
+    chunks = {tuple(p[i * CHUNK : (i + 1) * CHUNK]) for p in MP_PROMPTS for i in range(len(p) // CHUNK)}
+    got = stored(mp_run, [0], "kvlayer:cpu")  # the worker's events crossed into the engine-core process
     assert sorted(tokens for _, (_, tokens) in got) == sorted(chunks) and len({h for h, _ in got}) == len(chunks)
-    assert run["rounds"][1]["events"] == [], "hits store nothing"
+    assert mp_run["rounds"][1]["events"] == [], "hits store nothing"
 
 
 def test_a_qwen2_model_with_qkv_biases(work) -> None:
