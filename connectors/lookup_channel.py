@@ -14,8 +14,9 @@ Wire format (little-endian, no pickle): a request is ``u32 length`` + ``u16 id l
 request id + ``u16 salt length`` + the salt (UTF-8; empty for none) + ``u32 start`` + ``u32
 limit`` + the token ids as int32; the answer is ``u32 found tokens`` + ``u32 n`` + ``n`` bytes,
 the tier index of each chunk object to read. A client that cannot reach the
-worker, or gets no answer within its timeout, answers a miss: the scheduler never waits long and
-never raises for the channel.
+worker, gets no answer within its timeout or a garbled one (more tokens than it asked about,
+or more chunks than ``MAX_GROUPS`` per token), or has a request the format cannot carry,
+answers a miss: the scheduler never waits long and never raises for the channel.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ MAX_REQUEST_BYTES = 64 << 20
 """The largest request a server reads (16M tokens); a longer one closes the connection."""
 RETRY_S = 1.0
 """How long a client waits after a failure before it tries to connect again."""
+MAX_GROUPS = 64
+"""An answer names at most this many chunk objects per token asked about (one per layer group)."""
 
 
 def socket_path(engine_id: str, rank: int) -> str:
@@ -210,9 +213,17 @@ class LookupClient:
         if self._sock is None and time.monotonic() < self._retry_at:
             return MISS
         try:
+            request = encode_request(token_ids, salt, request_id, start, limit)
+        except (ValueError, OverflowError) as e:  # not expressible on the wire: an id past int32, a lone surrogate
+            if self._throttle.allow():
+                log.warning("kvlayer: a lookup the channel cannot carry (%s); a miss", e)
+            return MISS
+        try:
             sock = self._connected()
-            sock.sendall(encode_request(token_ids, salt, request_id, start, limit))
+            sock.sendall(request)
             found, n = struct.unpack("<II", _read_exact(sock, 8))
+            if found > len(token_ids) or n > len(token_ids) * MAX_GROUPS:  # at most a chunk per token and group
+                raise ConnectionError(f"a garbled answer ({found} tokens, {n} chunks) to {len(token_ids)} tokens")
             return found, tuple(_read_exact(sock, n))
         except (OSError, ConnectionError) as e:
             self._fail(e)

@@ -1,8 +1,9 @@
 """The controller server: ``ControllerServer`` (grpc.aio) and ``serve`` (``kvlayer controller``).
 
 One server hosts ``AdminService``, ``InstanceService`` and the standard
-``grpc.health.v1.Health``. A sweeper marks instances down when their heartbeats stop (their
-entries leave the registry) and forgets them later. ``serve`` runs until SIGTERM or SIGINT,
+``grpc.health.v1.Health``; request bytes that do not parse are INVALID_ARGUMENT (``parsing``).
+A sweeper marks instances down when their heartbeats stop (their entries leave the registry)
+and forgets them later. ``serve`` runs until SIGTERM or SIGINT,
 then stops gracefully: health turns NOT_SERVING, instance streams end (instances reconnect,
 with backoff, to the next controller), running calls get ``grace`` seconds to finish.
 
@@ -27,6 +28,7 @@ from kvlayer.controller import controller_pb2_grpc as pb_grpc
 from kvlayer.controller.admin_service import AdminServicer
 from kvlayer.controller.auth import AuthInterceptor, server_credentials
 from kvlayer.controller.instance_service import InstanceServicer
+from kvlayer.controller.parsing import ParseInterceptor
 from kvlayer.controller.registry import Clock, Registry
 from kvlayer.controller.session import Session
 from kvlayer.controller.settings import ControllerSettings
@@ -58,7 +60,7 @@ class ControllerServer:
         """Bind and start serving; returns the port (useful with port 0). ``OSError`` if it cannot bind."""
         s = self.settings
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(s.admin_token, s.instance_token)],
+            interceptors=[AuthInterceptor(s.admin_token, s.instance_token), ParseInterceptor()],
             options=[("grpc.max_receive_message_length", s.max_message_bytes),
                      ("grpc.max_send_message_length", s.max_message_bytes),
                      ("grpc.so_reuseport", 0)],
