@@ -56,6 +56,11 @@ class Tokenizer:
         unless ``add_special_tokens`` is False (a chat template places its own)."""
         return self._inner.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """``encode`` of each of ``texts``; the tokenizer's own work runs without the GIL (unlike
+        ``encode``'s), so on a worker thread it leaves the other threads running."""
+        return [e.ids for e in self._inner.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
         return self._inner.decode(list(ids), skip_special_tokens=True)

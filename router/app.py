@@ -2,9 +2,10 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are forwarded (proxy.py);
 ``GET /v1/models`` lists what the up instances serve; ``GET /health`` is 200 while at least
-one instance is up (503 otherwise) and says whether the controller answers (``"controller":
-"ok"`` or ``"unreachable"``: the router then routes by load, still healthy); ``GET /metrics``
-is the router's series (metrics.py).
+one instance is up (503 otherwise), says whether the controller answers (``"controller":
+"ok"`` or ``"unreachable"``: the router then routes by load, still healthy) and how the last
+request was routed (``"routing": {"policy", "mode", "reason"}``, routing_status.py: mode
+"kv" or "load", and why by load); ``GET /metrics`` is the router's series (metrics.py).
 The ``/v1`` routes need the API key when keys are set. Errors are OpenAI's error JSON, as
 from ``kvlayer serve``: a body that is not a JSON object 400, no such model 404, none of its
 instances up 503, every instance tried failing 502.
@@ -100,11 +101,12 @@ def build_router_app(settings: RouterSettings) -> Any:
 
     @app.get("/health")
     async def _health() -> Response:
-        fleet = parts["router"].fleet
-        up = sorted(i.instance_id for i in fleet.instances.values() if i.up)
-        controller = "ok" if parts["router"].view.answering else "unreachable"
+        router = parts["router"]
+        up = sorted(i.instance_id for i in router.fleet.instances.values() if i.up)
+        answering = router.view.answering
         if up:
-            return JSONResponse({"status": "ok", "instances": up, "controller": controller})
+            return JSONResponse({"status": "ok", "instances": up, "controller": "ok" if answering else "unreachable",
+                                 "routing": router.status.as_json(answering)})
         return JSONResponse(error_body(503, "no instance is up"), status_code=503)
 
     @app.get("/metrics")

@@ -2,8 +2,9 @@
 
 Both are asyncio gRPC calls with a deadline. Neither raises for the controller's sake: a
 controller that is down, slow or refusing answers None, and the router routes by load
-(it never fails a request because the controller is away). The failure is logged once per
-outage, and ``failures`` counts every one.
+(it never fails a request because the controller is away). An outage is logged once, when it
+starts; ``failures`` counts every failed call and ``last_failure`` says what the last one was
+(the router logs failed lookups itself, rate limited: routing_status.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from kvlayer.controller.auth import bearer
 from kvlayer.controller.channel import aio_channel, parse_target
 
 log = logging.getLogger(__name__)
+
+_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""The controller's answers about one prompt (malformed, too long, a model it does not know):
+it is up, and ``answering`` stays True."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,8 @@ class ControllerView:
         self.lookup_timeout_s = lookup_timeout_s
         self.list_timeout_s = list_timeout_s
         self.failures = 0
+        self.last_failure = ""
+        """The last failed call: its name, the gRPC status and the controller's message."""
         self._down = False
 
     @property
@@ -83,12 +90,13 @@ class ControllerView:
     def _failed(self, call: str, e: grpc.RpcError) -> None:
         self.failures += 1
         code = e.code() if hasattr(e, "code") else None
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-            log.info("kvlayer router: %s: %s", call, e.details() if hasattr(e, "details") else e)
+        name = code.name if code is not None else type(e).__name__
+        details = " ".join(str(e.details() if hasattr(e, "details") else e).split())[:200]
+        self.last_failure = f"{call} {name}: {details}"
+        if code in _REFUSALS:
             return  # the controller is up: it cannot answer this prompt (e.g. text without a tokenizer)
         if not self._down:
             self._down = True
-            name = code.name if code is not None else type(e).__name__
             log.warning("kvlayer router: the controller at %s did not answer %s (%s); routing by load until it "
                         "does", self.url, call, name)
 

@@ -1,7 +1,8 @@
 """The router's ``/metrics`` (all prefixed ``kvlayer_router_``): ``requests_total{instance}``
 (answers forwarded), ``retries_total`` (a second instance tried), ``stream_errors_total`` (an
 instance failed mid-stream), ``lookup_seconds`` (the controller's lookups),
-``lookup_failures_total`` (past the deadline or the controller away: routed by load),
+``lookup_failures_total`` (refused, past the deadline or the controller away: routed by load,
+and logged, rate limited: routing_status.py),
 ``pd_prefills_total`` and ``pd_colocated_total`` (P/D requests served without a prefill or
 decode instance up), and the gauges ``instances_up`` and ``instance_load{instance}``."""
 
@@ -24,7 +25,7 @@ class RouterMetrics:
         self.stream_errors = Counter("kvlayer_router_stream_errors", "Streams an instance broke", registry=r)
         self.lookup_seconds = Histogram("kvlayer_router_lookup_seconds", "The controller's prefix lookups",
                                         buckets=LOOKUP_BUCKETS, registry=r)
-        self.lookup_failures = Counter("kvlayer_router_lookup_failures", "Lookups that did not answer in time",
+        self.lookup_failures = Counter("kvlayer_router_lookup_failures", "Lookups refused or not answered in time",
                                        registry=r)
         self.pd_prefills = Counter("kvlayer_router_pd_prefills", "Prompts sent to a prefill instance", registry=r)
         self.pd_colocated = Counter("kvlayer_router_pd_colocated", "P/D requests served colocated", registry=r)

@@ -14,15 +14,19 @@ shared tier; the request then goes to a decode instance, which loads that KV. Wi
 prefill or a decode instance up, the request is served colocated.
 
 Per request: at most one controller call and no instance reads (loads are probed in the
-background, fleet.py), plus the one or two requests forwarded.
+background, fleet.py), plus the one or two requests forwarded. A prompt the router tokenizes
+itself (``--tokenizer``) is rendered and tokenized on a worker thread. How the last request
+was routed, and why by load when it was, is ``Router.status`` (routing_status.py: ``/health``
+shows it, and the falls back to load are logged, a failed lookup rate limited).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from starlette.responses import Response, StreamingResponse
@@ -31,6 +35,8 @@ from kvlayer.router.controller_view import ControllerView, PrefixHit
 from kvlayer.router.fleet import ROLES, Fleet, Instance
 from kvlayer.router.metrics import RouterMetrics
 from kvlayer.router.policy import Policy
+from kvlayer.router.routing_status import RoutingStatus, Throttled
+from kvlayer.serving.prompt_tokens import PromptTooLong, encode_prompt
 from kvlayer.serving.protocol import APIError, error_body
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,17 @@ log = logging.getLogger(__name__)
 INSTANCE_HEADER = "x-kvlayer-instance"
 PREFILL_HEADER = "x-kvlayer-prefill-instance"
 ATTEMPTS = 2
+LOOKUP_MAX_TOKENS = 131_072
+"""The longest prompt the router tokenizes to look up (the controller's default ``--max-tokens``)."""
+
+
+class _Prompt(NamedTuple):
+    """A prompt as the controller's lookup takes it: token ids, or text it tokenizes; neither
+    (``why_not`` says why) when the router cannot look it up."""
+
+    ids: list[int] | None = None
+    text: str | None = None
+    why_not: str = ""
 
 
 class Router:
@@ -52,6 +69,7 @@ class Router:
         self.metrics = metrics
         self.pd = pd
         self.tokenizers = tokenizers or {}
+        self.status = RoutingStatus(policy.name, log, Throttled(log))
 
     async def forward(self, path: str, body: dict[str, Any]) -> Response:
         model = body.get("model")
@@ -83,38 +101,46 @@ class Router:
                       candidates: Sequence[Instance]) -> dict[str, PrefixHit] | None:
         if not self.policy.needs_lookup:
             return None
-        ids, text = self._prompt(model, body, path)
-        if ids is None and text is None:
+        prompt = await self._prompt(model, body, path)
+        if prompt.ids is None and prompt.text is None:
+            self.status.by_load(prompt.why_not)
             return None
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         with self.metrics.lookup_seconds.time():
-            hits = await self.view.lookup(candidates[0].model_name, ids, text, salt)
+            hits = await self.view.lookup(candidates[0].model_name, prompt.ids, prompt.text, salt)
         if hits is None:
             self.metrics.lookup_failures.inc()
+            self.status.lookup_failed(model, self.view.last_failure)
+        else:
+            self.status.by_prefix()
         return hits
 
-    def _prompt(self, model: str, body: dict[str, Any], path: str) -> tuple[list[int] | None, str | None]:
-        """The prompt as token ids (or text for the controller to tokenize); (None, None) when
+    async def _prompt(self, model: str, body: dict[str, Any], path: str) -> _Prompt:
+        """The prompt to look up: token ids (the router's own tokenizer for the model, if any,
+        on a worker thread) or text for the controller to tokenize; neither, and why, when
         the router cannot tell (a chat without a tokenizer for the model, a malformed prompt)."""
         tok = self.tokenizers.get(model)
         if path.endswith("/chat/completions"):
             messages = body.get("messages")
-            if tok is None or not isinstance(messages, list):
-                return None, None
+            if tok is None:
+                return _Prompt(why_not=f"chat prompts of {model!r} are not looked up without --tokenizer "
+                               f"{model}=DIR")
+            if not isinstance(messages, list):
+                return _Prompt(why_not="a chat request without a list of messages")
             try:
-                items = [{**m, "content": _text(m.get("content"))} for m in messages if isinstance(m, dict)]
-                text = tok[1].render(items, body.get("add_generation_prompt", True) is not False)
-            except (ValueError, TypeError):
-                return None, None
-            return tok[0].encode(text, add_special_tokens=tok[1].fallback), None
+                text = await asyncio.to_thread(_render, tok[1], messages, body.get("add_generation_prompt"))
+            except (ValueError, TypeError, AttributeError):
+                return _Prompt(why_not="a chat prompt the router cannot render")
+            return await _encoded(tok[0], text, add_special_tokens=tok[1].fallback)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: route by its first prompt
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt), None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+            return _Prompt(ids=list(prompt))
         if isinstance(prompt, str) and prompt:
-            return (tok[0].encode(prompt), None) if tok is not None else (None, prompt)
-        return None, None
+            return await _encoded(tok[0], prompt) if tok is not None else _Prompt(text=prompt)
+        return _Prompt(why_not="a prompt that is empty or neither text nor token ids")
 
     # ----- sending ------------------------------------------------------------------------
     async def _prefill(self, path: str, body: dict[str, Any], ranked: list[Instance]) -> str | None:
@@ -185,6 +211,19 @@ class Router:
         finally:
             await upstream.aclose()
             inst.inflight -= 1
+
+
+def _render(template: Any, messages: list[Any], add_generation_prompt: Any) -> str:
+    """The chat's prompt text by ``template`` (blocking: run on a worker thread)."""
+    items = [{**m, "content": _text(m.get("content"))} for m in messages if isinstance(m, dict)]
+    return template.render(items, add_generation_prompt is not False)
+
+
+async def _encoded(tokenizer: Any, text: str, add_special_tokens: bool = True) -> _Prompt:
+    try:
+        return _Prompt(ids=await encode_prompt(tokenizer, text, LOOKUP_MAX_TOKENS, add_special_tokens))
+    except PromptTooLong:
+        return _Prompt(why_not=f"a prompt longer than {LOOKUP_MAX_TOKENS} tokens is not looked up")
 
 
 def _text(content: Any) -> str:

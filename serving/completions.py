@@ -25,13 +25,23 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvlayer.engine.sampling import SamplingParams
+from kvlayer.engine.sampling import SEED_MAX, InvalidSamplingParam, SamplingParams
 from kvlayer.engine.tokenizer import Tokenizer
 from kvlayer.serving.chat import ChatTemplate
 from kvlayer.serving.engine_loop import AsyncEngine, EngineError, Overloaded, ShuttingDown
 from kvlayer.serving.generation import Event, Generation
 from kvlayer.serving.metrics import ServingMetrics
-from kvlayer.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
+from kvlayer.serving.prompt_tokens import PromptTooLong, encode_prompt
+from kvlayer.serving.protocol import (
+    MAX_N,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    context_message,
+    error_body,
+    shown,
+)
 
 FLUSH_TIMEOUT_S = 30.0
 """How long a prefill for a remote decode waits for kvlayer's writes before answering anyway."""
@@ -52,28 +62,28 @@ class ServerState:
 
 async def completions(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     params = _sampling(state, req)
-    prompts = [_token_ids(state, p) for p in req.prompts()]
+    _check_room(state, params.max_tokens)
+    prompts = [await _token_ids(state, p, params.max_tokens) for p in req.prompts()]
     gen = await _start(state, req, prompts, params, "cmpl")
     return await _answer(req, gen, request, _CompletionShape(state.model_name, gen.created), state.engine)
 
 
 async def chat_completions(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     params = _sampling(state, req)
+    _check_room(state, params.max_tokens)
     if state.tokenizer is None:
         raise APIError(400, "chat needs a tokenizer.json in the model folder; use /v1/completions with token ids",
                        "messages")
-    messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
-    try:
-        text = state.chat_template.render(messages, req.add_generation_prompt)
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
-    ids = state.tokenizer.encode(text, add_special_tokens=state.chat_template.fallback)
-    gen = await _start(state, req, [_check_ids(state, ids)], params, "chatcmpl")
+    text = await asyncio.to_thread(_render, state, req)
+    ids = await _encode(state, text, "messages", add_special_tokens=state.chat_template.fallback)
+    gen = await _start(state, req, [_check_ids(state, ids, params.max_tokens, "messages")], params, "chatcmpl")
     return await _answer(req, gen, request, _ChatShape(state.model_name, gen.created), state.engine)
 
 
 # ----- request -> engine ---------------------------------------------------------------
 def _sampling(state: ServerState, req: GenerationRequest) -> SamplingParams:
+    """The request's sampling values as the engine's ``SamplingParams``; ``APIError`` 404 for
+    another model, 400 naming the field for a value out of range (NaN and infinity included)."""
     if req.model != state.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                        "model")
@@ -81,40 +91,83 @@ def _sampling(state: ServerState, req: GenerationRequest) -> SamplingParams:
     if limit is None:
         raise APIError(400, "max_tokens is required (this server does not guess an answer's length)", "max_tokens")
     if limit < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {limit}", "max_tokens")
+        raise APIError(400, f"max_tokens must be >= 1, got {shown(limit)}", "max_tokens")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in 1..{MAX_N}, got {shown(req.n)}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) != 0:
+            raise APIError(400, f"{name} is not supported by this server (only 0)", name)
     top_k = None if req.top_k in (None, 0, -1) else req.top_k
     if top_k is not None and top_k < 0:
-        raise APIError(400, f"top_k must be -1, 0 (off) or positive, got {top_k}", "top_k")
+        raise APIError(400, f"top_k must be -1, 0 (off) or positive, got {shown(top_k)}", "top_k")
     bad = [t for t in req.stop_token_ids or () if not 0 <= t < state.vocab_size]
     if bad:
-        raise APIError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+        raise APIError(400, f"stop_token_ids: {shown(bad[0])} is outside the vocabulary [0, {state.vocab_size})",
                        "stop_token_ids")
+    if any(not s for s in req.stop_strings):
+        raise APIError(400, "a stop string must not be empty", "stop")
+    if req.stop_strings and state.tokenizer is None:
+        raise APIError(400, "stop strings need a tokenizer.json in the model folder; use stop_token_ids", "stop")
     try:
-        return SamplingParams(max_tokens=limit, temperature=float(req.temperature), top_k=top_k,
-                              top_p=float(req.top_p), seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()),
-                              ignore_eos=req.ignore_eos)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+        params = SamplingParams(max_tokens=limit, temperature=req.temperature, top_k=top_k, top_p=req.top_p,
+                                min_p=req.min_p, seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()),
+                                ignore_eos=req.ignore_eos)
+    except InvalidSamplingParam as e:
+        raise APIError(400, str(e), e.field) from None
+    if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:  # choice j samples with seed + j
+        raise APIError(400, f"seed must be <= {SEED_MAX} - (n - 1) with n {req.n} (choice j samples with "
+                       "seed + j)", "seed")
+    return params
 
 
-def _token_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+# A prompt is tokenized on a worker thread (and a long one only as far as shows it cannot fit:
+# serving/prompt_tokens.py), so a 10 MB text never holds up the event loop and /health.
+def _check_room(state: ServerState, max_tokens: int) -> None:
+    if max_tokens >= state.max_model_len:
+        raise APIError(400, f"max_tokens is {shown(max_tokens)}; this model's context holds {state.max_model_len} "
+                       "tokens, the prompt's included", "max_tokens")
+
+
+async def _token_ids(state: ServerState, prompt: str | list[int], max_tokens: int) -> list[int]:
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise APIError(400, "a text prompt needs a tokenizer.json in the model folder; send token ids instead",
                            "prompt")
-        prompt = state.tokenizer.encode(prompt)
-    return _check_ids(state, prompt)
+        prompt = await _encode(state, prompt, "prompt")
+    return _check_ids(state, prompt, max_tokens, "prompt")
 
 
-def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
+def _render(state: ServerState, req: ChatCompletionRequest) -> str:
+    """The chat's prompt text (blocking: a worker thread renders a long conversation)."""
+    messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+    try:
+        return state.chat_template.render(messages, req.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+async def _encode(state: ServerState, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+    assert state.tokenizer is not None
+    try:
+        return await encode_prompt(state.tokenizer, text, state.max_model_len, add_special_tokens)
+    except PromptTooLong as e:
+        raise APIError(400, f"{e}; this model's context holds {state.max_model_len}", field) from None
+
+
+def _check_ids(state: ServerState, ids: list[int], max_tokens: int, field: str) -> list[int]:
+    """``ids`` unless empty, at or over the context, outside the vocabulary, or leaving no room
+    for ``max_tokens`` (a 400 on ``max_tokens`` then, as vLLM answers)."""
     if not ids:
-        raise APIError(400, "the prompt is empty: a request needs at least one token", "prompt")
+        raise APIError(400, "the prompt is empty: a request needs at least one token", field)
+    if len(ids) >= state.max_model_len:
+        raise APIError(400, context_message(len(ids), state.max_model_len), field)
     bad = [t for t in ids if not 0 <= t < state.vocab_size]
     if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})", "prompt")
-    if len(ids) >= state.max_model_len:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context holds {state.max_model_len} "
-                       "(one more is needed to generate)", "prompt")
+        raise APIError(400, f"token id {shown(bad[0])} is outside the vocabulary [0, {state.vocab_size})", field)
+    if len(ids) + max_tokens > state.max_model_len:
+        raise APIError(400, f"max_tokens is {max_tokens}, but the prompt has {len(ids)} tokens and this model's "
+                       f"context holds {state.max_model_len}: at most {state.max_model_len - len(ids)} can be "
+                       "generated", "max_tokens")
     return ids
 
 
@@ -128,6 +181,8 @@ async def _start(state: ServerState, req: GenerationRequest, prompts: list[list[
         raise APIError(503, str(e)) from None
     except EngineError as e:
         raise APIError(500, str(e)) from None
+    except InvalidSamplingParam as e:
+        raise APIError(400, str(e), e.field) from None
     except ValueError as e:
         raise APIError(400, str(e), "prompt") from None
 

@@ -14,8 +14,12 @@ Contracts:
   its blocks go back and the connector forgets it.
 - ``shutdown`` stops taking requests (``ShuttingDown``), lets the running ones finish, then
   closes the engine on its own thread (kvlayer's connector flushes its writes there).
-- A step that raises fails every live request with ``EngineError`` (their blocks are freed)
-  and the loop goes on; the server answers those requests 500 and keeps serving.
+- A request the engine fails alone (its sampling failed: ``LLMEngine`` finishes it with reason
+  "error" and the others in its step go on) arrives as its final output, like any other; the
+  server answers it 500 or with an error event in its stream (serving/generation.py).
+- A step that raises (the model's forward pass, shared by the step's requests) fails every
+  live request with ``EngineError`` (their blocks are freed) and the loop goes on; the server
+  answers those requests 500 and keeps serving.
 """
 
 from __future__ import annotations

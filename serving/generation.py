@@ -5,7 +5,10 @@ A request has one or more prompts and ``n`` choices per prompt; choice ``i * n +
 ``seed + j`` when a seed is given, so choices differ yet each is reproducible).
 ``Generation.events()`` merges the choices' progress into ``Event``s (new text, new token ids,
 a finish reason) in the order the engine produced them; leaving it early aborts every
-unfinished choice. Usage follows OpenAI: prompt tokens once per prompt, completion tokens
+unfinished choice. A choice the engine failed (finish reason "error": this request alone, or
+every request of a step that raised) raises ``EngineError`` from ``events()``; its unfinished
+sibling choices are then stopped and counted as "error" too ("abort" is only for a consumer
+that left). Usage follows OpenAI: prompt tokens once per prompt, completion tokens
 over all choices; ``cached_tokens`` is, per prompt, the most prompt tokens any of its choices
 took from a cache (the engine's own prefix cache plus kvlayer's tiers).
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from kvlayer.engine.sampling import SamplingParams
 from kvlayer.engine.tokenizer import Tokenizer
-from kvlayer.serving.engine_loop import AsyncEngine, RequestHandle
+from kvlayer.serving.engine_loop import AsyncEngine, EngineError, RequestHandle
 from kvlayer.serving.metrics import ServingMetrics
 from kvlayer.serving.text import TextStream
 
@@ -43,7 +46,7 @@ class Choice:
 @dataclass(frozen=True, slots=True)
 class Event:
     """Choice ``choice`` produced ``text`` and ``token_ids`` (either may be empty); a non-None
-    ``finish_reason`` ("stop" or "length") is its last event."""
+    ``finish_reason`` ("stop" or "length") is its last event (an "error" is raised instead)."""
 
     choice: Choice
     text: str
@@ -93,26 +96,29 @@ class Generation:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(c, queue)) for c in self.choices]
         remaining = len(tasks)
+        reason = "abort"
         try:
             while remaining:
                 item = await queue.get()
                 if item is _DONE:
                     remaining -= 1
                 elif isinstance(item, BaseException):
+                    if isinstance(item, EngineError):
+                        reason = "error"
                     raise item
                 else:
                     yield item
         finally:
             for t in tasks:
                 t.cancel()
-            self.abort()
+            self.abort(reason)
 
-    def abort(self) -> None:
-        """Stop every unfinished choice (counted as finish reason "abort" in the metrics)."""
+    def abort(self, reason: str = "abort") -> None:
+        """Stop every unfinished choice, counted under finish reason ``reason`` in the metrics."""
         for c in self.choices:
             if c.finish_reason is None:
-                c.finish_reason = "abort"
-                self._metrics.requests.labels("abort").inc()
+                c.finish_reason = reason
+                self._metrics.requests.labels(reason).inc()
             c.handle.abort()
 
     async def _pump(self, choice: Choice, queue: asyncio.Queue[Any]) -> None:
@@ -131,6 +137,9 @@ class Generation:
                 if choice.text.stopped:
                     reason = "stop"
                     choice.handle.abort()
+                elif out.finished and comp.finish_reason == "error":
+                    self._finished(choice, "error")
+                    raise EngineError(f"the engine failed on this request: {comp.error}")
                 elif out.finished:
                     piece += choice.text.finish()
                     reason = comp.finish_reason
@@ -140,6 +149,8 @@ class Generation:
                 if reason is not None:
                     break
         except BaseException as e:  # the consumer re-raises it (cancellation ends the task quietly)
+            if isinstance(e, EngineError) and choice.finish_reason is None:
+                self._finished(choice, "error")
             if not isinstance(e, asyncio.CancelledError):
                 queue.put_nowait(e)
         finally:

@@ -1,14 +1,16 @@
 """The HTTP plumbing ``kvlayer serve`` and ``kvlayer router`` share: body limit, API keys, errors.
 
-``BodyLimit`` wraps an ASGI app and refuses (413) bodies over a limit; ``check_api_key``
-checks the bearer key; ``json_object`` reads a body as a JSON object; ``install_error_handlers``
-makes every error OpenAI's error JSON (serving/protocol.py). This module imports starlette and
-pydantic only, never the engine or torch, so the router (a proxy that holds no KV) runs
-without them.
+``BodyLimit`` wraps an ASGI app and refuses (413) bodies over a limit before anything parses
+them; ``check_api_key`` checks the bearer key; ``json_object`` reads a body as a JSON object
+(``decode_object``: its nesting and size checked on the raw bytes first, a large one decoded on
+a worker thread); ``install_error_handlers`` makes every error OpenAI's error JSON
+(serving/protocol.py). This module imports starlette and pydantic only, never the engine or
+torch, so the router (a proxy that holds no KV) runs without them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -26,6 +28,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024**2
 """The largest request body both servers accept unless told otherwise (``--max-body-bytes``)."""
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a body may have (a request needs 4)."""
+MAX_JSON_CONTAINERS = 100_000
+"""The most arrays and objects a body may hold: millions of them take seconds to build."""
+MAX_JSON_STRINGS = 200_000
+"""The most strings (keys included) a body may hold."""
+OFF_LOOP_BYTES = 256 * 1024
+"""Bodies at least this large are decoded on a worker thread, not on the event loop."""
 
 
 def install_error_handlers(app: Any, name: str) -> None:
@@ -62,15 +72,79 @@ def check_api_key(request: Request, keys: Sequence[bytes]) -> None:
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object, or ``APIError`` 400 naming what is wrong."""
+    """The request's body as a JSON object, or ``APIError`` 400 naming what is wrong (see
+    ``decode_object``); a body of ``OFF_LOOP_BYTES`` or more is decoded on a worker thread."""
     raw = await request.body()
+    if len(raw) < OFF_LOOP_BYTES:
+        return decode_object(raw)
+    return await asyncio.to_thread(decode_object, raw, True)
+
+
+def decode_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
+    """``raw`` as a JSON object, or ``APIError`` 400 (param null: the body is not one field) for
+    malformed JSON, a body that is not an object, or one nesting deeper than ``MAX_JSON_DEPTH``
+    or holding more than ``MAX_JSON_CONTAINERS`` arrays and objects or ``MAX_JSON_STRINGS``
+    strings (counted on the raw bytes, before parsing). With ``yielding`` numbers are converted
+    by Python functions, so that a worker thread decoding millions of them gives the GIL back
+    to the event loop every switch interval (the C decoder alone keeps it throughout)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
+        encoding = json.detect_encoding(raw)
+        if encoding not in ("utf-8", "utf-8-sig"):  # the shape check reads UTF-8 bytes
+            raw = raw.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+        _check_shape(raw)
+        data = json.loads(raw, parse_int=_int, parse_float=_float) if yielding else json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeError) as e:
+        raise APIError(400, f"malformed JSON body: {_one_line(e)}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'[]{}"')
+_OPENERS = frozenset(b"[{")
+_SPLIT_QUOTES = 2 * MAX_JSON_STRINGS
+
+
+def _check_shape(raw: bytes) -> None:
+    """``APIError`` 400 when ``raw`` nests too deep or holds too many arrays, objects or strings.
+
+    C-speed byte operations do the work: escaped backslashes and quotes are removed (in JSON a
+    backslash only occurs inside a string), so every quote left opens or closes a string; the
+    strings are then cut out and only the brackets outside them walked, stopping at a limit.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH and raw.count(b'"') <= _SPLIT_QUOTES:
+        return  # a common body: it can be neither too deep nor too large
+    marks = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_MARKS)
+    if marks.count(b'"') > _SPLIT_QUOTES:
+        raise APIError(400, f"the JSON body holds more than {MAX_JSON_STRINGS} strings")
+    marks = b"".join(marks.split(b'"')[::2])
+    depth = containers = 0
+    for c in marks:
+        if c in _OPENERS:
+            depth += 1
+            containers += 1
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+            if containers > MAX_JSON_CONTAINERS:
+                raise APIError(400, f"the JSON body holds more than {MAX_JSON_CONTAINERS} arrays and objects")
+        else:
+            depth -= 1
+            if depth < 0:
+                return  # a closing bracket too many: json.loads says where
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]
 
 
 class BodyLimit:

@@ -7,7 +7,8 @@ Serving series (all prefixed ``kvlayer_serve_``): ``time_to_first_token_seconds`
 ``borrowed_chunks`` (what kvlayer still holds for requests: 0 when none runs),
 ``prompt_tokens_total``, ``cached_prompt_tokens_total`` (served by the engine's prefix cache
 or kvlayer), ``generation_tokens_total`` and ``requests_total{finish_reason}`` counters
-(``stop``, ``length``, or ``abort`` for a client that left).
+(``stop``, ``length``, ``error`` for a choice the engine failed, or ``abort`` for a client
+that left).
 The kvlayer connector's ``kvlayer_*`` tier series are registered beside them.
 """
 

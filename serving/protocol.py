@@ -1,7 +1,9 @@
 """The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` and OpenAI's error JSON.
 
 Fields are OpenAI's, plus vLLM's extras (``cache_salt``, ``return_token_ids``,
-``ignore_eos``, ``top_k``, ``stop_token_ids``). Types are strict (``"5"`` is not a number).
+``ignore_eos``, ``top_k``, ``min_p``, ``stop_token_ids``). Types are strict (``"5"`` is not a
+number); the sampling values' ranges (NaN and infinity included) are checked where they become
+the engine's ``SamplingParams`` (serving/completions.py), each refusal naming its field.
 Unknown fields are ignored, as OpenAI's own server and vLLM's do, except the known ones this
 server does not implement, which are refused when set (``UNSUPPORTED``) rather than silently
 dropped. Every refusal is an ``APIError``: status, one-line message, OpenAI error type.
@@ -11,15 +13,31 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 16
 """Most choices per prompt (``n``)."""
+MAX_PROMPTS = 256
+"""Most prompts in one ``/v1/completions`` batch."""
+MAX_MODEL_LEN = "max_model_len"
+"""The validation context key (``model_validate(data, context={MAX_MODEL_LEN: n})``) that
+refuses a token-id prompt of ``n`` or more ids by its length alone, before its ids are read."""
 
 UNSUPPORTED: dict[str, Any] = {"logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-                               "logit_bias": None, "tools": None, "functions": None, "response_format": None,
-                               "presence_penalty": 0, "frequency_penalty": 0}
-"""Fields this server refuses (400) unless they carry OpenAI's default (given here)."""
+                               "logit_bias": None, "tools": None, "functions": None, "response_format": None}
+"""Fields this server refuses (400) unless they carry OpenAI's default (given here). The
+penalties are fields of their own, refused unless 0 when the sampling values are checked."""
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
@@ -37,6 +55,25 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
+
+
+class FieldError(ValueError):
+    """A validator's refusal of ``field``: ``validation_message`` names it as the ``param``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def context_message(tokens: int, max_model_len: int) -> str:
+    """Why a prompt of ``tokens`` tokens (or more) is refused by a context of ``max_model_len``."""
+    return (f"the prompt has {tokens} tokens; this model's context holds {max_model_len} "
+            "(one more is needed to generate)")
+
+
+def shown(value: int) -> str:
+    """``value`` for a one-line message: a JSON integer may have thousands of digits."""
+    return str(value) if abs(value) < 10**20 else f"an integer of {len(str(abs(value)))} digits"
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -64,6 +101,9 @@ class GenerationRequest(BaseModel):
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: StrictInt | None = None
+    min_p: Number = 0.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
@@ -83,15 +123,13 @@ class GenerationRequest(BaseModel):
         extra = self.model_extra or {}
         for name, default in UNSUPPORTED.items():
             if extra.get(name, default) not in (default, None):
-                raise ValueError(f"{name} is not supported by this server")
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in 1..{MAX_N}, got {self.n}")
+                raise FieldError(name, f"{name} is not supported by this server")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options needs stream: true")
+            raise FieldError("stream_options", "stream_options needs stream: true")
         if self.cache_salt == "":
-            raise ValueError("cache_salt must not be empty (leave it out instead)")
+            raise FieldError("cache_salt", "cache_salt must not be empty (leave it out instead)")
         if self.remote_decode and self.stream:
-            raise ValueError("kv_transfer_params.do_remote_decode needs stream: false")
+            raise FieldError("kv_transfer_params", "kv_transfer_params.do_remote_decode needs stream: false")
         return self
 
     @property
@@ -118,11 +156,31 @@ class CompletionRequest(GenerationRequest):
 
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
 
-    @model_validator(mode="after")
-    def _non_empty(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be an empty list")
-        return self
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_size(cls, value: Any, info: ValidationInfo) -> Any:
+        """Sizes first, each in O(1): an empty list, a batch over ``MAX_PROMPTS``, a token-id
+        prompt that cannot fit the context (``MAX_MODEL_LEN`` in the context)."""
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise FieldError("prompt", "prompt must not be an empty list")
+        batch = isinstance(value[0], (str, list))
+        if batch and len(value) > MAX_PROMPTS:
+            raise FieldError("prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got {len(value)}")
+        max_model_len = (info.context or {}).get(MAX_MODEL_LEN)
+        longest = max((len(p) for p in value if isinstance(p, list)), default=0) if batch else len(value)
+        if max_model_len is not None and longest >= max_model_len:
+            raise FieldError("prompt", context_message(longest, max_model_len))
+        # the union's members would each report every bad item: one line instead, at once
+        kinds = {type(p) for p in value} if batch else set()
+        if batch and len(kinds) > 1:
+            raise FieldError("prompt", "a batch must be all texts or all lists of token ids")
+        for ids in (value if kinds == {list} else [] if batch else [value]):
+            bad = next((i for i, t in enumerate(ids) if type(t) is not int), None)
+            if bad is not None:
+                raise FieldError("prompt", f"prompt: item {bad} of a token-id list is not an integer")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one item per prompt, each a text or a list of token ids."""
@@ -176,6 +234,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     field = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "float", "bool"))
                      and not p.endswith("]") and "function-" not in p)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    named = getattr(first.get("ctx", {}).get("error"), "field", None)
+    if isinstance(named, str):  # a validator's FieldError (or any error with a field)
+        return msg, named
     if first.get("type") == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', msg)}", None
     if first.get("type") == "missing":
