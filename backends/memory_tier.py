@@ -210,6 +210,9 @@ class MemoryTier(StorageBackend):
             entry.obj.unpin()
         return len(pinned)
 
+    def pinned(self) -> dict[bytes, int]:
+        return {digest: e.obj.pin_count for digest, e in self._index.items() if e.obj.pin_count > 0}
+
     async def close(self) -> None:
         """Drop every chunk (pins included); objects still referenced elsewhere live until released."""
         index, self._index = self._index, OrderedDict()

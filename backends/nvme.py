@@ -206,6 +206,10 @@ class NvmeBackend(StorageBackend):
                 n += 1
         return n
 
+    def pinned(self) -> dict[bytes, int]:
+        entries = (self._index.get(d) for d in self._index.digests())
+        return {e.digest: e.pins for e in entries if e is not None and e.pins > 0}
+
     def usage(self) -> tuple[int, int]:
         return self._index.used_bytes, self._index.capacity
 

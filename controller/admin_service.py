@@ -1,7 +1,7 @@
 """``AdminServicer``: the operator's RPCs (``AdminService`` in ``controller.proto``).
 
 ``Lookup``, ``Stats`` and ``ListInstances`` answer from the registry. ``Pin``, ``Unpin``,
-``Evict`` and ``Move`` become commands on the target instances' streams; each RPC waits for
+``Evict``, ``Move`` and ``Pins`` become commands on the target instances' streams; each RPC waits for
 the replies (``command_timeout_s`` at most, or the caller's deadline if shorter). A command
 aimed at one instance that fails fails the RPC (FAILED_PRECONDITION, DEADLINE_EXCEEDED or
 UNAVAILABLE); one aimed at every instance reports each instance's outcome in its results.
@@ -78,9 +78,10 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         model = wire.check_text(prefix.model, "prefix.model", empty_ok=False)
         if request.limit < 0:
             raise invalid(f"limit must be >= 0, got {request.limit}")
-        tokens = self._prefixes.tokens(prefix, model)
-        salt = self._prefixes.salt(prefix)
         entries = self._registry.live(model)
+        aliases = [name for e in entries for name in e.spec.model_names() if name != model]
+        tokens = self._prefixes.tokens(prefix, model, aliases)  # a tokenizer under any name of the model
+        salt = self._prefixes.salt(prefix)
         if not entries:
             raise not_found(f"no live instance serves model {model[:80]!r}")
         keys_of: dict[Any, list[Any]] = {}
@@ -204,9 +205,39 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
             results.append(await self.run_one(step.instance, step.command, context))
         return pb.CommandResponse(results=results)
 
+    @_rpc
+    async def Pins(self, request: pb.PinsRequest, context: grpc.aio.ServicerContext) -> pb.PinsResponse:
+        """The pinned chunks and their pin counts, per live instance (one, or all) and tier; with a
+        prefix, only its chunks. One instance's failure is reported in its entry, not raised."""
+        with_prefix = not PrefixReader.is_empty(request.prefix)
+        model = wire.check_text(request.prefix.model, "prefix.model")
+        entries = [self._live(request.instance_id)] if request.instance_id else self._registry.live(model or None)
+
+        async def one(entry: Instance) -> pb.InstancePins:
+            try:
+                command = (self._prefix_for(entry, request.prefix, pb.ACTION_LIST_PINS) if with_prefix
+                           else pb.Command(action=pb.ACTION_LIST_PINS))
+                command.tier = self._tier(entry, request.tier, "tier")
+                reply = await self._reply(entry, command, context)
+            except RequestError as e:
+                if request.instance_id:
+                    raise
+                return pb.InstancePins(instance_id=entry.instance_id, ok=False, error=f"{e.code.name}: {e.message}")
+            return pb.InstancePins(instance_id=entry.instance_id, ok=True, tiers=reply.pins)
+
+        return pb.PinsResponse(instances=await asyncio.gather(*(one(e) for e in entries)))
+
     async def run_one(self, entry: Instance, command: pb.Command,
                       context: grpc.aio.ServicerContext) -> pb.InstanceResult:
         """Run ``command`` on ``entry``; a failure raises ``RequestError``."""
+        reply = await self._reply(entry, command, context)
+        return pb.InstanceResult(instance_id=entry.instance_id, ok=True, chunks=reply.chunks, tokens=reply.tokens,
+                                 skipped_pinned=reply.skipped_pinned, missing=reply.missing,
+                                 action=pb.Action.Name(command.action).removeprefix("ACTION_").lower())
+
+    async def _reply(self, entry: Instance, command: pb.Command,
+                     context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        """``entry``'s successful reply to ``command``; ``RequestError`` for a failure."""
         session = self._sessions.get(entry.instance_id)
         if session is None:
             raise unavailable(f"instance {entry.instance_id!r} is not connected")
@@ -218,7 +249,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         if not reply.ok:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"instance {entry.instance_id!r}: {reply.error[:500]}")
-        return pb.InstanceResult(instance_id=entry.instance_id, ok=True, chunks=reply.chunks, tokens=reply.tokens)
+        return reply
 
     # --- request pieces -----------------------------------------------------------------
     def _known(self, instance_id: str) -> Instance:
@@ -234,11 +265,12 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         return entry
 
     def _prefix_for(self, entry: Instance, prefix: pb.Prefix, action: int) -> pb.Command:
-        """A command of ``action`` over ``prefix``, checked against ``entry``'s model."""
-        model = entry.spec.namespace.model_name
-        if prefix.model and prefix.model != model:
-            raise invalid(f"instance {entry.instance_id!r} serves model {model!r}, not {prefix.model[:80]!r}")
-        command = pb.Command(action=action, token_ids=self._prefixes.tokens(prefix, model))
+        """A command of ``action`` over ``prefix``, checked against ``entry``'s model (either name)."""
+        names = entry.spec.model_names()
+        if prefix.model and prefix.model not in names:
+            raise invalid(f"instance {entry.instance_id!r} serves model {' or '.join(map(repr, names))}, "
+                          f"not {prefix.model[:80]!r}")
+        command = pb.Command(action=action, token_ids=self._prefixes.tokens(prefix, names[0], names[1:]))
         salt = self._prefixes.salt(prefix)
         if salt is not None:
             command.cache_salt = salt
@@ -258,6 +290,7 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
         spec = entry.spec
         return pb.InstanceInfo(
             instance_id=spec.instance_id, address=spec.address, state=_STATES[entry.state], role=spec.role,
+            served_model=spec.served_model,
             namespace=wire.namespace_to_wire(spec.namespace, spec.save_partial_chunks),
             tiers=[wire.tier_to_wire(t) for t in spec.tiers], last_seen_s=self._registry.seen_ago(entry),
             chunks=sum(self._registry.chunk_count(entry, t.name) for t in spec.tiers))

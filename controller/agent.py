@@ -2,10 +2,10 @@
 
 The connector starts one when ``controller_url`` is set (``start_agent``). The agent runs its
 own asyncio loop in a daemon thread: it connects (bearer token ``controller_token``),
-registers the instance (id, address, role, key namespace, tiers), sends a snapshot of the chunk
-digests each tier holds, then streams the tiers' admission and eviction events (it is the
-backends' ``TierListener``) and a heartbeat with per-tier counters, and carries out the
-commands the controller sends (``agent_commands``), answering each on the same stream.
+registers the instance (id, address, role, served model name, key namespace, tiers), sends a
+snapshot of the chunk digests each tier holds, then streams the tiers' admission and eviction
+events (it is the backends' ``TierListener``) and a heartbeat with per-tier counters, and carries
+out the commands the controller sends (``agent_commands``), answering each on the same stream.
 
 When the controller is away the engine keeps serving: the agent retries with exponential
 backoff (with jitter) and, once back, registers and snapshots again, so the controller's
@@ -252,7 +252,7 @@ class ControllerAgent:
                                      shared_id=shared(kv.config) if shared else "",
                                      cannot_pin=backend.name not in pinnable))
         return pb.Register(instance_id=self.instance_id, address=self._address, tiers=tiers,
-                           role=kv.config.instance_role,
+                           role=kv.config.instance_role, served_model=kv.config.served_model_name,
                            namespace=namespace_to_wire(kv.namespace, kv.config.save_partial_chunks))
 
     def _heartbeat(self) -> pb.Heartbeat:

@@ -11,15 +11,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.controller import controller_pb2 as pb
 from kvlayer.keys import ChunkKey
+from kvlayer.tier_admin import Outcome
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[KVCacheEngine, pb.Command, list[ChunkKey]], tuple[int, int]]
-"""(kv, command, the command's chunk keys) -> (chunks affected, tokens of the prefix acted on)."""
+MAX_LISTED_PINS = 10_000
+"""Pinned chunks a pins listing names per tier (the counts cover all of them)."""
+
+
+class Done(NamedTuple):
+    """A handler's answer, as ``CommandReply`` carries it (see the .proto for each field)."""
+
+    chunks: int
+    tokens: int
+    skipped_pinned: int = 0
+    missing: int = 0
+    pins: tuple[pb.TierPins, ...] = ()
+
+
+Handler = Callable[[KVCacheEngine, pb.Command, list[ChunkKey]], Done]
+"""(kv, command, the command's chunk keys) -> what it did."""
 
 
 def _covered(keys: Sequence[ChunkKey], n: int) -> int:
@@ -42,44 +58,57 @@ def _pinnable_tier(kv: KVCacheEngine, command: pb.Command) -> str | None:
     return command.tier
 
 
-def _pin(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
+def _pin(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     n = kv.pin(keys, _pinnable_tier(kv, command))
-    return n, _covered(keys, len(keys)) if n else 0
+    return Done(n, _covered(keys, len(keys)) if n else 0)
 
 
-def _unpin(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
+def _unpin(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     n = kv.unpin(keys, _pinnable_tier(kv, command))
-    return n, _covered(keys, len(keys)) if n else 0
+    return Done(n, _covered(keys, len(keys)) if n else 0)
 
 
-def _evict(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
+def _from_outcome(outcome: Outcome, tokens: int) -> Done:
+    return Done(outcome.done, tokens, outcome.skipped_pinned, outcome.missing)
+
+
+def _evict(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     tiers = [command.tier] if command.tier else [t for t in kv.tier_names if t not in command.keep_tiers]
-    n = sum(kv.remove(keys, t) for t in tiers)
-    return n, _covered(keys, len(keys)) if n else 0
+    outcome = kv.evict(keys, tiers)
+    return _from_outcome(outcome, _covered(keys, len(keys)) if outcome.done else 0)
 
 
-def _evict_all(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
-    return kv.evict_all(_tier(command)), 0
+def _evict_all(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
+    removed = kv.evict_all(_tier(command))
+    return Done(removed, 0, skipped_pinned=sum(len(chunks) for chunks in kv.pinned(_tier(command)).values()))
 
 
-def _copy(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
-    n = kv.copy(keys, command.dst_tier, _tier(command))
-    return n, _covered(keys, n)
+def _copy(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
+    outcome = kv.copy_prefix(keys, command.dst_tier, _tier(command))
+    return _from_outcome(outcome, _covered(keys, outcome.held))
 
 
-def _move(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> tuple[int, int]:
+def _move(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     if not command.tier:
         raise ValueError("a move needs its source tier")
-    n = kv.copy(keys, command.dst_tier, command.tier)
-    kv.remove(keys[:n], command.tier)
-    return n, _covered(keys, n)
+    outcome = kv.move(keys, command.dst_tier, command.tier)
+    return _from_outcome(outcome, _covered(keys, outcome.held))
+
+
+def _list_pins(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
+    listing = kv.pinned(_tier(command), keys if command.token_ids else None)
+    pins = tuple(pb.TierPins(tier=tier, chunks=len(chunks), pins=sum(n for _, n, _ in chunks),
+                             listed=[pb.PinnedChunk(digest=d, pins=n, end=end)
+                                     for d, n, end in chunks[:MAX_LISTED_PINS]])
+                 for tier, chunks in listing.items())
+    return Done(sum(p.chunks for p in pins), 0, pins=pins)
 
 
 HANDLERS: dict[int, Handler] = {
     pb.ACTION_PIN: _pin, pb.ACTION_UNPIN: _unpin, pb.ACTION_EVICT: _evict, pb.ACTION_EVICT_ALL: _evict_all,
-    pb.ACTION_COPY: _copy, pb.ACTION_MOVE: _move,
+    pb.ACTION_COPY: _copy, pb.ACTION_MOVE: _move, pb.ACTION_LIST_PINS: _list_pins,
 }
-_NEEDS_PREFIX = frozenset(HANDLERS) - {pb.ACTION_EVICT_ALL}
+_NEEDS_PREFIX = frozenset(HANDLERS) - {pb.ACTION_EVICT_ALL, pb.ACTION_LIST_PINS}
 
 
 def run_command(kv: KVCacheEngine, command: pb.Command) -> pb.CommandReply:
@@ -93,7 +122,10 @@ def run_command(kv: KVCacheEngine, command: pb.Command) -> pb.CommandReply:
             raise ValueError("this action needs token_ids")
         salt = command.cache_salt if command.HasField("cache_salt") else None
         keys = kv.keys(list(command.token_ids), salt) if command.token_ids else []
-        reply.chunks, reply.tokens = handler(kv, command, keys)
+        done = handler(kv, command, keys)
+        reply.chunks, reply.tokens = done.chunks, done.tokens
+        reply.skipped_pinned, reply.missing = done.skipped_pinned, done.missing
+        reply.pins.extend(done.pins)
         reply.ok = True
     except Exception as e:  # the controller gets the error; the instance goes on
         log.info("kvlayer agent: command %s failed: %s", pb.Action.Name(command.action)

@@ -8,6 +8,7 @@ command runs, so ``kvlayer --help`` stays fast. Examples::
     kvlayer admin lookup --model llama --tokens 1,2,3,4
     kvlayer admin pin --instance engine-0 --tokens-file prompt.json --tier cpu
     kvlayer admin evict --all --tier nvme
+    kvlayer admin pins --instance engine-0
     kvlayer admin move --instance engine-0 --to engine-1 --dst-tier cpu --tokens 1,2,3
     kvlayer admin --json stats
 
@@ -147,6 +148,12 @@ def _add_admin(sub: argparse._SubParsersAction) -> None:
     mv.add_argument("--keep-source", action="store_true", help="copy instead of move")
     _prefix_args(mv)
     mv.set_defaults(admin=_move)
+
+    ps = _command(cmds, "pins", "list pinned chunks and their pin counts, per instance and tier")
+    ps.add_argument("--instance", default="", help="one instance (default: every live one)")
+    ps.add_argument("--tier", default="", help="one tier (default: every tier)")
+    _prefix_args(ps, prefix_required=False)
+    ps.set_defaults(admin=_pins)
     a.set_defaults(func=_run_admin)
 
 
@@ -226,6 +233,10 @@ def _pin(client: Any, args: argparse.Namespace) -> Any:
 
 def _evict(client: Any, args: argparse.Namespace) -> Any:
     return client.evict(args.instance, _token_ids(args), all=args.all, tier=args.tier, **_prefix_kwargs(args))
+
+
+def _pins(client: Any, args: argparse.Namespace) -> Any:
+    return client.pins(args.instance, _token_ids(args), tier=args.tier, **_prefix_kwargs(args))
 
 
 def _move(client: Any, args: argparse.Namespace) -> Any:

@@ -117,6 +117,17 @@ class AdminClient:
                                  via_tier=via_tier, keep_source=keep_source)
         return self._call(self._stub.Move, request)
 
+    def pins(self, instance_id: str = "", token_ids: Sequence[int] | None = None, *, tier: str = "",
+             text: str | None = None, model: str = "", cache_salt: str | None = None) -> pb.PinsResponse:
+        """The pinned chunks and their pin counts per instance (``instance_id``, or every live one)
+        and tier (``tier``, or every tier); with a prefix (token ids or text), only its chunks."""
+        request = pb.PinsRequest(instance_id=instance_id, tier=tier)
+        if token_ids or text:
+            request.prefix.CopyFrom(prefix(token_ids, text, model, cache_salt))
+        elif model:
+            request.prefix.model = model
+        return self._call(self._stub.Pins, request)
+
     # --- plumbing -----------------------------------------------------------------------
     def _call(self, method: Callable[..., M], request: Any) -> M:
         try:

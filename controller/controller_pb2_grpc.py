@@ -132,6 +132,11 @@ class AdminServiceStub:
                 request_serializer=kvlayer_dot_v1_dot_controller__pb2.MoveRequest.SerializeToString,
                 response_deserializer=kvlayer_dot_v1_dot_controller__pb2.CommandResponse.FromString,
                 _registered_method=True)
+        self.Pins = channel.unary_unary(
+                '/kvlayer.v1.AdminService/Pins',
+                request_serializer=kvlayer_dot_v1_dot_controller__pb2.PinsRequest.SerializeToString,
+                response_deserializer=kvlayer_dot_v1_dot_controller__pb2.PinsResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvlayer.v1.AdminService/Stats',
                 request_serializer=kvlayer_dot_v1_dot_controller__pb2.StatsRequest.SerializeToString,
@@ -177,6 +182,12 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pins(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -216,6 +227,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Move,
                     request_deserializer=kvlayer_dot_v1_dot_controller__pb2.MoveRequest.FromString,
                     response_serializer=kvlayer_dot_v1_dot_controller__pb2.CommandResponse.SerializeToString,
+            ),
+            'Pins': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pins,
+                    request_deserializer=kvlayer_dot_v1_dot_controller__pb2.PinsRequest.FromString,
+                    response_serializer=kvlayer_dot_v1_dot_controller__pb2.PinsResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -363,6 +379,33 @@ class AdminService:
             '/kvlayer.v1.AdminService/Move',
             kvlayer_dot_v1_dot_controller__pb2.MoveRequest.SerializeToString,
             kvlayer_dot_v1_dot_controller__pb2.CommandResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvlayer.v1.AdminService/Pins',
+            kvlayer_dot_v1_dot_controller__pb2.PinsRequest.SerializeToString,
+            kvlayer_dot_v1_dot_controller__pb2.PinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,15 +27,17 @@ class PrefixReader:
         self._paths = {model: _tokenizer_file(path) for model, path in tokenizers}
         self._loaded: dict[str, Any] = {}
 
-    def tokens(self, prefix: pb.Prefix, model: str) -> list[int]:
-        """The prefix's token ids (``model`` picks the tokenizer for text); RequestError if malformed."""
+    def tokens(self, prefix: pb.Prefix, model: str, aliases: Sequence[str] = ()) -> list[int]:
+        """The prefix's token ids (for text, the tokenizer of ``model``, else of the first of its other
+        names, ``aliases``, that has one); RequestError if malformed."""
         if prefix.text and prefix.token_ids:
             raise invalid("send token_ids or text, not both")
         if not prefix.text:
             return wire.check_tokens(prefix.token_ids, self.max_tokens)
         if len(prefix.text) > self.max_tokens * TEXT_BYTES_PER_TOKEN:
             raise exhausted(f"text of {len(prefix.text)} characters exceeds the limit")
-        return wire.check_tokens(self._tokenizer(model).encode(prefix.text).ids, self.max_tokens)
+        named = next((m for m in (model, *aliases) if m in self._paths), model)
+        return wire.check_tokens(self._tokenizer(named).encode(prefix.text).ids, self.max_tokens)
 
     @staticmethod
     def salt(prefix: pb.Prefix) -> str | None:

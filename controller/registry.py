@@ -47,8 +47,9 @@ class TierSpec:
 
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
-    """What an instance registers: how its keys are computed, which tiers it has (top first) and its
-    ``role`` in prefill/decode disaggregation (one of ``kvlayer.config.INSTANCE_ROLES``)."""
+    """What an instance registers: how its keys are computed, which tiers it has (top first), its
+    ``role`` in prefill/decode disaggregation (one of ``kvlayer.config.INSTANCE_ROLES``) and the
+    name clients ask for its model by (``served_model``; "": the namespace's model name only)."""
 
     instance_id: str
     address: str
@@ -56,6 +57,12 @@ class InstanceSpec:
     save_partial_chunks: bool
     tiers: tuple[TierSpec, ...]
     role: str = "both"
+    served_model: str = ""
+
+    def model_names(self) -> tuple[str, ...]:
+        """The names its model is known by: the namespace's, then the served name if it differs."""
+        name = self.namespace.model_name
+        return (name, self.served_model) if self.served_model and self.served_model != name else (name,)
 
     def tier(self, name: str) -> TierSpec | None:
         """The tier called ``name``, None if the instance has none."""
@@ -213,9 +220,9 @@ class Registry:
         return [self._instances[i] for i in sorted(self._instances)]
 
     def live(self, model: str | None = None) -> list[Instance]:
-        """Entries not DOWN (of ``model`` if given), by id."""
+        """Entries not DOWN (of ``model``, by its namespace name or served name, if given), by id."""
         return [e for e in self.instances()
-                if e.state is not State.DOWN and (model is None or e.spec.namespace.model_name == model)]
+                if e.state is not State.DOWN and (model is None or model in e.spec.model_names())]
 
     def chunk_count(self, entry: Instance, tier: str) -> int:
         """How many chunks ``entry``'s ``tier`` holds (0 for DOWN entries and unknown tiers)."""

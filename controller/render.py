@@ -25,15 +25,19 @@ def to_dict(answer: Message) -> dict[str, Any]:
 
 
 def failures(answer: Message) -> str | None:
-    """One line naming the instances a command's answer reports as failed, with their errors;
-    None when none failed (or ``answer`` is not a command's)."""
-    if not isinstance(answer, pb.CommandResponse):
+    """One line naming the instances a command's (or pins listing's) answer reports as failed,
+    with their errors; None when none failed (or ``answer`` is neither)."""
+    if isinstance(answer, pb.CommandResponse):
+        results = list(answer.results)
+    elif isinstance(answer, pb.PinsResponse):
+        results = list(answer.instances)
+    else:
         return None
-    failed = [r for r in answer.results if not r.ok]
+    failed = [r for r in results if not r.ok]
     if not failed:
         return None
     errors = "; ".join(f"{r.instance_id}: {' '.join(r.error.split())}" for r in failed)
-    return f"failed on {len(failed)} of {len(answer.results)} instances: {errors}"
+    return f"failed on {len(failed)} of {len(results)} instances: {errors}"
 
 
 def print_answer(answer: Message, console: Console | None = None) -> None:
@@ -43,11 +47,12 @@ def print_answer(answer: Message, console: Console | None = None) -> None:
 
 
 def _instances(answer: pb.ListInstancesResponse) -> Table:
-    t = Table("instance", "state", "role", "model", "tiers", "chunks", "last seen", "address", title="instances")
+    t = Table("instance", "state", "role", "model", "served as", "tiers", "chunks", "last seen", "address",
+              title="instances")
     for i in answer.instances:
         tiers = ", ".join(f"{x.name}{' (shared)' if x.shared_id else ''}" for x in i.tiers)
-        t.add_row(i.instance_id, _STATE.get(i.state, "?"), i.role or "both", i.namespace.model_name, tiers,
-                  str(i.chunks), f"{i.last_seen_s:.1f} s ago", i.address or "-")
+        t.add_row(i.instance_id, _STATE.get(i.state, "?"), i.role or "both", i.namespace.model_name,
+                  i.served_model or "-", tiers, str(i.chunks), f"{i.last_seen_s:.1f} s ago", i.address or "-")
     return t
 
 
@@ -78,10 +83,32 @@ def _lookup(answer: pb.LookupResponse) -> Table:
 
 
 def _command(answer: pb.CommandResponse) -> Table:
-    t = Table("instance", "ok", "chunks", "tokens", "error", title="result")
+    """One row per instance step: "chunks" is what it did (pinned, unpinned, evicted, copied or
+    moved), "pinned (kept)" what it left because it is pinned, "missing" what was not there."""
+    t = Table("instance", "step", "ok", "chunks", "pinned (kept)", "missing", "tokens", "error", title="result")
     for r in answer.results:
-        t.add_row(r.instance_id, "yes" if r.ok else "NO", str(r.chunks), str(r.tokens), r.error or "")
+        t.add_row(r.instance_id, r.action or "-", "yes" if r.ok else "NO", str(r.chunks), str(r.skipped_pinned),
+                  str(r.missing), str(r.tokens), r.error or "")
     return t
+
+
+def _pins(answer: pb.PinsResponse) -> Table:
+    """Per instance and tier: pinned chunks and the pins they hold; chunks named by digest (and, for a
+    prefix, the tokens through each), at most ``_PIN_ROWS`` per tier (``--json`` has the rest)."""
+    t = Table("instance", "tier", "pinned chunks", "pins", "chunk", "pins of it", "through token", title="pins")
+    for i in answer.instances:
+        if not i.ok:
+            t.add_row(i.instance_id, "-", "", "", "", "", "", style="red")
+        for x in i.tiers:
+            t.add_row(i.instance_id, x.tier, str(x.chunks), str(x.pins), "", "", "")
+            for c in x.listed[:_PIN_ROWS]:
+                t.add_row("", "", "", "", c.digest.hex()[:16], str(c.pins), str(c.end) if c.end else "-")
+            if len(x.listed) > _PIN_ROWS or x.chunks > len(x.listed):
+                t.add_row("", "", "", "", f"... {x.chunks - min(len(x.listed), _PIN_ROWS)} more", "", "")
+    return t
+
+
+_PIN_ROWS = 20
 
 
 def _bytes(n: int) -> str:
@@ -94,5 +121,5 @@ def _bytes(n: int) -> str:
 
 _RENDERERS: dict[type, Callable[[Any], Table]] = {
     pb.ListInstancesResponse: _instances, pb.StatsResponse: _stats, pb.LookupResponse: _lookup,
-    pb.CommandResponse: _command,
+    pb.CommandResponse: _command, pb.PinsResponse: _pins,
 }

@@ -104,9 +104,10 @@ def namespace_to_wire(ns: Namespace, save_partial_chunks: bool) -> pb.ModelNames
 
 
 def spec_from_wire(msg: pb.Register) -> InstanceSpec:
-    """The registration, checked: id, address, role, namespace and 1-16 distinct tiers."""
+    """The registration, checked: id, address, role, served model name, namespace and 1-16 distinct tiers."""
     check_id(msg.instance_id)
     check_text(msg.address, "address")
+    check_text(msg.served_model, "register.served_model")
     role = msg.role or "both"  # an instance older than the role field
     if role not in INSTANCE_ROLES:
         raise invalid(f"register.role must be one of {INSTANCE_ROLES} (or empty), got {role[:40]!r}")
@@ -124,7 +125,7 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
         tiers.append(TierSpec(t.name, t.rank, t.in_memory, t.shared_id, t.cannot_pin))
     if len({t.name for t in tiers}) != len(tiers):
         raise invalid("tier names must be distinct")
-    return InstanceSpec(msg.instance_id, msg.address, ns, partial, tuple(tiers), role)
+    return InstanceSpec(msg.instance_id, msg.address, ns, partial, tuple(tiers), role, msg.served_model)
 
 
 def tier_to_wire(tier: TierSpec) -> pb.TierInfo:

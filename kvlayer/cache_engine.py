@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvlayer import tier_admin
+from kvlayer.capacity import check_memory
 from kvlayer.config import KVLayerConfig
 from kvlayer.devices import parse_device
 from kvlayer.exporter import expose, withdraw
@@ -52,7 +53,9 @@ class KVCacheEngine:
     ``model_name``/``model_fingerprint`` and the TP rank enter every key's namespace, so
     chunks of another model, dtype, layout, tenant or ``storage_quantization`` never match.
     ``backends`` overrides the tiers built from the config (tests, custom tiers). ``ValueError``
-    for a device this machine lacks, ``ConfigError`` for a bad setting.
+    for a device this machine lacks, ``ConfigError`` for a bad setting, or for memory sizes
+    (the tiers' unless ``backends`` is given, and ``staging_capacity``) the host or the device
+    cannot hold now (``kvlayer.capacity.check_memory``), before anything is allocated.
 
     ``tiers`` (the ``TierManager``), ``chunk_staging`` (the ``Staging``; ``staging`` is its
     arena) and ``groups`` (the layer groups lower tiers' reads arrive in) are the core's own:
@@ -66,6 +69,7 @@ class KVCacheEngine:
         self.config = KVLayerConfig.load(config)
         self.layout = layout
         self.device = parse_device(device)
+        check_memory(self.config, self.device, tiers=backends is None)
         self.namespace = Namespace(model_name, model_fingerprint, layout, self.config.chunk_size,
                                    tp_rank, tp_size, self.config.cache_salt,
                                    quantization=self.config.storage_quantization)
@@ -263,6 +267,23 @@ class KVCacheEngine:
         """Copy the longest prefix of ``keys`` held in ``src_tier`` (None: any other tier) into
         ``dst_tier``; returns how many leading keys ``dst_tier`` then holds (``tier_admin.copy``)."""
         return tier_admin.copy(self.tiers, keys, dst_tier, src_tier)
+
+    def evict(self, keys: Sequence[ChunkKey], tiers: Sequence[str] | None = None) -> tier_admin.Outcome:
+        """Remove the present, unpinned ``keys`` from ``tiers`` (every tier if None), counting what
+        was removed, kept because pinned, and missing apart (``tier_admin.evict``)."""
+        return tier_admin.evict(self.tiers, keys, tiers)
+
+    def copy_prefix(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str | None = None) -> tier_admin.Outcome:
+        """``copy``, counting what was copied and missing (``tier_admin.copy_prefix``)."""
+        return tier_admin.copy_prefix(self.tiers, keys, dst_tier, src_tier)
+
+    def move(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str) -> tier_admin.Outcome:
+        """Copy, then remove from ``src_tier`` what ``dst_tier`` holds; pinned chunks stay (``tier_admin.move``)."""
+        return tier_admin.move(self.tiers, keys, dst_tier, src_tier)
+
+    def pinned(self, tier: str | None = None, keys: Sequence[ChunkKey] | None = None) -> tier_admin.Pinned:
+        """Per tier, the pinned chunks and their pin counts (of ``keys`` only, if given; ``tier_admin.pinned``)."""
+        return tier_admin.pinned(self.tiers, tier, keys)
 
     def evict_all(self, tier: str | None = None) -> int:
         """Remove every unpinned chunk from ``tier`` (every tier if None); returns how many."""

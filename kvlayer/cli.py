@@ -13,15 +13,11 @@ log level; ``KVLAYER_SMOKE=1`` shrinks the documented benchmark commands (see ``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NoReturn
-
-if TYPE_CHECKING:
-    from kvlayer.config import KVLayerConfig
+from typing import NoReturn
 
 Handler = Callable[[argparse.Namespace], int]
 BAD_FILE_ERRORS: tuple[type[OSError], ...] = (FileNotFoundError, FileExistsError, PermissionError,
@@ -64,6 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> int:
     import yaml
 
+    from kvlayer import capacity, places
     from kvlayer.config import KVLayerConfig
 
     config = KVLayerConfig.load(args.file)  # every tier's section checked against its declaration here
@@ -71,70 +68,16 @@ def _config(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
     if not args.check:
         return 0
-    # the places of the built-in tiers, written flat (nvme_path) or in their sections (tiers: {nvme: {path: ...}})
-    problems = [p for p in (_check_nvme(config.nvme_path), _check_redis(config)) if p]
+    # memory first (no I/O), then each tier's place, written flat (nvme_path) or in its section
+    problems = [*capacity.problems(config, None), *(u.reason for u in places.unusable(config))]
     for problem in problems:
         print(f"kvlayer: error: {problem}", file=sys.stderr)
     if not problems:
-        tried = [name for name in ("nvme_path", "redis_url") if getattr(config, name)]
-        print(f"kvlayer config: {' and '.join(tried)} usable" if tried else "kvlayer config: no nvme_path or "
-              "redis_url to try")
+        tried = places.places(config)
+        logging.getLogger(__name__).info("kvlayer config: %s", capacity.describe(config))  # with -v
+        print(f"kvlayer config: {' and '.join(tried)} usable" if tried else
+              f"kvlayer config: no {' or '.join(places.declared_places())} to try")
     return 2 if problems else 0
-
-
-def _check_nvme(path: str | None) -> str | None:
-    """Why the NVMe tier cannot use folder ``path`` (None: it can, or it is unset). Makes the
-    folder if missing (as the tier would), writes, syncs and removes a probe file in it, and
-    removes the folders it made."""
-    from pathlib import Path
-
-    if not path:
-        return None
-    root = Path(path).expanduser().absolute()
-    made = [p for p in (root, *root.parents) if not p.exists()]
-    try:
-        if root.exists() and not root.is_dir():
-            return f"nvme_path {path!r} is not a folder"
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".kvlayer-probe-{os.getpid()}"
-        try:
-            with probe.open("wb") as f:
-                f.write(bytes(4096))
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            probe.unlink(missing_ok=True)
-    except OSError as e:
-        where = f" ({e.filename})" if e.filename and str(e.filename) != str(root) else ""
-        return f"nvme_path {path!r} is not usable: {e.strerror or e}{where}"
-    finally:
-        for folder in made:  # deepest first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-    return None
-
-
-def _check_redis(config: KVLayerConfig) -> str | None:
-    """Why ``redis_url`` does not answer a PING within ``tier_timeout_ms`` (None: it does, or it is unset)."""
-    if not config.redis_url:
-        return None
-    from redis.exceptions import RedisClusterException, RedisError
-
-    from kvlayer.backends.redis import RedisSettings
-    from kvlayer.backends.redis_clients import sync_client
-
-    settings = RedisSettings(config.redis_url, cluster=config.redis_cluster, timeout_s=config.tier_timeout_ms / 1000)
-    client = None
-    try:
-        client = sync_client(settings)  # a cluster client connects here already
-        client.ping()
-    except (RedisError, RedisClusterException, OSError) as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        return f"redis_url: PING failed (tier_timeout_ms {config.tier_timeout_ms}): {reason}"
-    finally:
-        if client is not None:
-            client.close()
-    return None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -186,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--show", action="store_true", help="print it, each tier's settings as flat <tier>_<key> "
                                                              "keys (the default, unless --check alone)")
     config.add_argument("--check", action="store_true",
-                        help="try its nvme_path (write and remove a probe file) and redis_url (a PING within "
-                             "tier_timeout_ms), in either spelling; exit 2 with one line per problem")
+                        help="compare its memory sizes (cpu_capacity, gpu_capacity, staging_capacity) with the "
+                             "machine's, and try its nvme_path (write and remove a probe file) and redis_url (a "
+                             "PING within tier_timeout_ms), in either spelling; exit 2 with one line per problem")
     config.set_defaults(func=_config)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

@@ -69,6 +69,10 @@ class KVLayerConfig:
     instance_id: str | None = None
     instance_role: str = "both"
     """One of ``INSTANCE_ROLES``; registered with the controller, where routers read it."""
+    served_model_name: str = ""
+    """The name clients ask for the model by (``kvlayer serve`` sets it: ``--served-model-name``, else
+    ``--model`` as given), registered with the controller beside the key namespace's model name, so
+    admin calls and router lookups may use either; "": the namespace's name only. Not in the keys."""
     cache_salt: str = ""
     verify_fraction: float = 0.0
     """The share of hits, in [0, 1], that are recomputed and compared with the stored KV instead

@@ -191,6 +191,11 @@ class StorageBackend(abc.ABC):
         """Undo one ``pin`` of each present, pinned key; returns how many were unpinned."""
         return 0
 
+    def pinned(self) -> dict[bytes, int]:
+        """Digest -> pin count of every pinned chunk (pins are counted: each ``pin`` needs its own
+        ``unpin``). From memory, called on the I/O loop. Default: none (a tier that cannot pin)."""
+        return {}
+
     @abc.abstractmethod
     def usage(self) -> tuple[int, int]:
         """``(used_bytes, capacity_bytes)``; capacity 0 means the tier sets no bound of its own."""

@@ -1,9 +1,12 @@
 """Tiers declare their own settings (docs/architecture.md section 8): the ``kvlayer.tier_settings`` entry points.
 
 A tier (built-in or third-party) names, in a light module that imports nothing heavy, a
-``TierSettings``: its settings (key, kind, default) and the rule saying whether a config enables
-it. The entry point's name is the tier's name, the same as its ``kvlayer.backends`` entry point
-and its backend's ``name``. ``KVLayerConfig`` resolves each tier's section of the config against
+``TierSettings``: its settings (key, kind, default, and for a size of memory it allocates at
+start, where: ``memory``), the rule saying whether a config enables it, and optionally its
+``place`` (the setting naming its folder or URL) with a ``probe`` that says why that place
+cannot be used now (``kvlayer config --check`` and ``kvlayer serve`` run it: ``kvlayer.places``).
+The entry point's name is the tier's name, the same as its ``kvlayer.backends`` entry point and
+its backend's ``name``. ``KVLayerConfig`` resolves each tier's section of the config against
 its declaration (``config.tiers[name]``, a ``Section``), and ``BackendContext.tier_settings``
 hands a tier its own; the core never names a tier.
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from kvlayer.values import ConfigError, check_kind, parse_value
+from kvlayer.values import OPTIONAL, ConfigError, check_kind, parse_value
 
 GROUP = "kvlayer.tier_settings"
 
@@ -58,24 +61,35 @@ class FrozenMap(Mapping[str, Any]):
         return f"{type(self).__name__}({self._items!r})"
 
 
+MEMORY_PLACES = ("host", "device")
+"""Where a ``Setting`` with ``memory`` allocates: host RAM, or the engine's device (host RAM too
+when the engine runs on the CPU)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One setting of a tier: ``key`` in its section (a lowercase identifier), its kind (one of
     ``kvlayer.values.KINDS``, optionally ``" | None"``), its default and one line saying what it means.
+    ``memory`` (one of ``MEMORY_PLACES``, or ""): the setting is a size the tier allocates there
+    when it starts, which ``kvlayer.capacity`` compares with the machine.
 
-    ``ValueError`` on construction for a bad key or kind, or a default that is not of the kind.
+    ``ValueError`` on construction for a bad key, kind or memory place, or a default that is not of the kind.
     """
 
     key: str
     kind: str
     default: Any
     doc: str = ""
+    memory: str = ""
 
     def __post_init__(self) -> None:
         if not (self.key.isidentifier() and self.key == self.key.lower() and not self.key.startswith("_")):
             raise ValueError(f"a setting's key must be a lowercase identifier, got {self.key!r}")
         check_kind(self.kind)
         parse_value(self.key, self.kind, self.default)
+        if self.memory and (self.memory not in MEMORY_PLACES or self.kind != "size"):
+            raise ValueError(f"setting {self.key!r}: memory must be one of {MEMORY_PLACES} on a size setting, "
+                             f"got {self.memory!r} on a {self.kind!r}")
 
 
 def _always(section: Mapping[str, Any]) -> bool:
@@ -86,6 +100,11 @@ def _nothing(section: Mapping[str, Any]) -> None:
     return None
 
 
+Probe = Callable[[Mapping[str, Any], int], "str | None"]
+"""(the tier's section, the core's ``tier_timeout_ms``) -> why its place cannot be used now, in one
+line naming the flat key (None: it can). May do I/O (a probe file, a PING) within the timeout."""
+
+
 @dataclass(frozen=True, slots=True)
 class TierSettings:
     """What a tier declares about its settings.
@@ -94,16 +113,26 @@ class TierSettings:
     this tier is ``section`` may enable it (False: ``build_backends`` does not even import the
     tier; the backend's ``create`` has the final say); default, always. ``check(section)``:
     cross-setting rules, raising ``ValueError`` whose message names the flat key; default, none.
+    ``place``: the key of the setting naming where the tier keeps its chunks (a folder, a URL),
+    of an optional kind whose None turns the tier off; ``probe`` (a ``Probe``, needs ``place``)
+    says why a set place cannot be used now. Default: neither.
     """
 
     settings: tuple[Setting, ...]
     enabled: Callable[[Mapping[str, Any]], bool] = _always
     check: Callable[[Mapping[str, Any]], None] = _nothing
+    place: str = ""
+    probe: Probe | None = None
 
     def __post_init__(self) -> None:
         keys = [s.key for s in self.settings]
         if len(set(keys)) != len(keys):
             raise ValueError(f"a tier declares each setting once, got {keys}")
+        kinds = {s.key: s.kind for s in self.settings}
+        if self.place and not kinds.get(self.place, "").endswith(OPTIONAL):
+            raise ValueError(f"place must name one of the tier's optional settings, got {self.place!r}")
+        if self.probe is not None and not self.place:
+            raise ValueError("a probe needs the place it tries")
 
     def resolve(self, tier: str, given: Mapping[str, Any]) -> Section:
         """Tier ``tier``'s section from the values ``given`` (every other setting at its default).

@@ -5,19 +5,31 @@ the engine are imported only when it runs. The port is bound before the model lo
 port in use is a one-line error at once. kvlayer's config comes from ``--kv-config`` and the
 ``KVLAYER_*`` variables (``--no-kvlayer``: the engine alone); with ``controller_url`` and no
 ``instance_address`` the server registers its own base URL (``http://HOST:PORT``) as the
-instance's address, for routing. SIGTERM or SIGINT stop taking connections, let running
+instance's address, for routing; the name it serves the model under (``--served-model-name``,
+else ``--model`` as given) is kvlayer's ``served_model_name``, which the controller registers.
+
+Before the model loads, kvlayer's memory sizes are checked against the machine (one line, exit
+2: ``kvlayer.capacity``) and each tier's place is tried (``kvlayer.places``): a tier whose
+``nvme_path`` or ``redis_url`` is unusable is left out, and the start-up line names it beside
+the tiers in effect and their capacities. SIGTERM or SIGINT stop taking connections, let running
 requests finish, flush kvlayer's writes and exit 0 (serving/listener.py, shared with the router).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvlayer.flags import port_number, positive_int
 from kvlayer.serving.listener import base_url, bind_socket, read_api_keys, run_server
+
+if TYPE_CHECKING:
+    from kvlayer.config import KVLayerConfig
+    from kvlayer.places import Unusable
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -51,17 +63,51 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run)
 
 
-def _kv_config(args: argparse.Namespace, url: str) -> Any:
+def _kv_config(args: argparse.Namespace, url: str) -> tuple[KVLayerConfig | None, list[Unusable]]:
+    """kvlayer's config for this server (None: ``--no-kvlayer``) and the tiers left out because
+    their place is unusable. ``ConfigError`` (one line) when its memory sizes do not fit."""
     if args.no_kvlayer:
-        return None
+        return None, []
+    from kvlayer import capacity, places
     from kvlayer.config import KVLayerConfig
 
     config = KVLayerConfig.load(args.kv_config)
+    changes: dict[str, Any] = {"served_model_name": _served_name(args)}
     if args.role is not None:
-        config = config.replace(instance_role=args.role)
+        changes["instance_role"] = args.role
     if config.controller_url and not config.instance_address:
-        config = config.replace(instance_address=url)
-    return config
+        changes["instance_address"] = url
+    config = config.replace(**changes)
+    capacity.check_memory(config, args.device)  # before a model or an arena is allocated
+    skipped = places.unusable(config)
+    config = places.without(config, skipped)
+    _settle_environment()
+    return config, skipped
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    """The model name clients send: ``--served-model-name``, else ``--model`` as given."""
+    return args.served_model_name or args.model
+
+
+def _settle_environment() -> None:
+    """Drop the ``KVLAYER_*`` variables that are config keys (``KVLAYER_TIERS`` too). The config
+    serve built holds their values already, and the engine loads it again with the variables
+    applied on top, which would undo serve's own changes (a skipped tier's place would come
+    back). Other ``KVLAYER_*`` variables (``KVLAYER_LOG_LEVEL``, ...) stay."""
+    from kvlayer.config import env_overrides
+
+    for name in [n for n in os.environ if env_overrides({n: os.environ[n]})]:
+        del os.environ[name]
+
+
+def _startup_line(name: str, url: str, kv: Any, skipped: Sequence[Unusable]) -> str:
+    """``kvlayer serve: 'NAME' at URL (kvlayer on: tiers ...)``, or ``(kvlayer off)``."""
+    if kv is None:
+        return f"kvlayer serve: {name!r} at {url} (kvlayer off)"
+    from kvlayer.places import tiers_line
+
+    return f"kvlayer serve: {name!r} at {url} (kvlayer on: {tiers_line(kv.backends, kv.config, skipped)})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,19 +133,20 @@ def _serve(args: argparse.Namespace, sock: socket.socket, keys: list[str]) -> in
         torch.set_num_threads(args.torch_threads)
     port = sock.getsockname()[1]
     url = base_url(args.host, port)
+    kv_config, skipped = _kv_config(args, url)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, kv_config=_kv_config(args, url))
+              max_model_len=args.max_model_len, kv_config=kv_config)
     engine = llm.engine
     kv = getattr(engine.connector, "kv", None)
     metrics = ServingMetrics(getattr(kv, "metrics", None))
     loop = AsyncEngine(engine, args.max_waiting)
-    name = args.served_model_name or args.model
+    name = _served_name(args)
     state = ServerState(loop, name, engine.tokenizer, ChatTemplate.from_dir(args.model), metrics,
                         engine.model_config.vocab_size, engine.max_model_len)
     app = build_app(state, keys, args.max_body_bytes)
-    print(f"kvlayer serve: {name!r} at {url} (kvlayer {'off' if kv is None else 'on'})", file=sys.stderr, flush=True)
+    print(_startup_line(name, url, kv, skipped), file=sys.stderr, flush=True)
     if not run_server(app, sock, "kvlayer serve"):
         loop.close_unstarted()
         return 1

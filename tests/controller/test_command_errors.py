@@ -77,7 +77,7 @@ def test_a_stalled_tier_call_is_deadline_exceeded_and_its_late_reply_is_dropped(
 
 def test_a_failure_on_one_of_every_instance_is_its_result(fleet, monkeypatch, capsys):
     srv, admin, kvs = fleet
-    monkeypatch.setattr(kvs["a"], "remove", disk_on_fire)
+    monkeypatch.setattr(kvs["a"], "evict", disk_on_fire)
     results = {r.instance_id: r for r in admin.evict(token_ids=TOKENS).results}
     assert not results["a"].ok and results["a"].chunks == 0
     assert results["a"].error == "FAILED_PRECONDITION: instance 'a': RuntimeError: disk on fire"
