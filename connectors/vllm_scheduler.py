@@ -32,6 +32,30 @@ class Lookups(Protocol):
                limit: int | None = None) -> Answer: ...
 
 
+class RankedLookups:
+    """The lookups of every tensor-parallel rank's worker (one ``Lookups`` each, rank order): a
+    chunk counts as held only when every rank holds its shard, so the answer is the fewest
+    tokens any rank found. The tiers of each chunk object go with it when every rank answered
+    the same; otherwise none (each worker then asks its own tiers again at load time, and a
+    shard gone by then is a failed load that vLLM recomputes)."""
+
+    def __init__(self, ranks: Sequence[Lookups]) -> None:
+        if not ranks:
+            raise ValueError("RankedLookups needs at least one rank")
+        self._ranks = list(ranks)
+
+    def lookup(self, token_ids: Sequence[int], salt: str | None, *, request_id: str = "", start: int = 0,
+               limit: int | None = None) -> Answer:
+        answers = []
+        for rank in self._ranks:
+            answers.append(rank.lookup(token_ids, salt, request_id=request_id, start=start, limit=limit))
+            if not answers[-1][0]:
+                return answers[-1]  # one rank misses: the others need not be asked
+        if all(a == answers[0] for a in answers):
+            return answers[0]
+        return min(a[0] for a in answers), ()
+
+
 class SchedulerSide:
     """The connector's scheduler-side state for ``config`` with vLLM blocks of ``block_size``."""
 

@@ -13,6 +13,7 @@ head size), kvlayer's ``LATENT_CACHE_LAYOUT``. Nothing here imports vLLM except 
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +44,24 @@ def check_block_size(config: KVLayerConfig, block_size: int) -> None:
     """kvlayer's chunks must be whole vLLM blocks: ``ConfigError`` otherwise."""
     if config.chunk_size % block_size:
         raise ConfigError(f"chunk_size {config.chunk_size} must be a multiple of vLLM's block_size {block_size}")
+
+
+def with_served_name(config: KVLayerConfig, vllm_config: Any) -> KVLayerConfig:
+    """``config`` with vLLM's served model name (its first, if several) as ``served_model_name``,
+    unless kvlayer's config sets one: the controller registers it, so lookups by it work."""
+    served = getattr(vllm_config.model_config, "served_model_name", None)
+    name = served[0] if isinstance(served, list | tuple) and served else served
+    if config.served_model_name or not isinstance(name, str) or not name:
+        return config
+    return config.replace(served_model_name=name)
+
+
+def rank_config(config: KVLayerConfig, rank: int) -> KVLayerConfig:
+    """``config`` for tensor-parallel rank ``rank``'s worker: its own ``instance_id`` (the
+    configured one, or the default, plus ``-tp<rank>``), so each rank registers with the
+    controller and reports its metrics apart; every other setting is the same."""
+    base = config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
+    return config.replace(instance_id=f"{base}-tp{rank}")
 
 
 def model_identity(model: str, revision: str | None) -> tuple[str, str]:

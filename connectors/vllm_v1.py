@@ -32,8 +32,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
 from kvlayer.connectors.lookup_channel import LookupClient, socket_path
-from kvlayer.connectors.vllm_scheduler import SchedulerSide
-from kvlayer.connectors.vllm_setup import cache_layout, check_block_size, kvlayer_config, model_identity
+from kvlayer.connectors.vllm_scheduler import RankedLookups, SchedulerSide
+from kvlayer.connectors.vllm_setup import (
+    cache_layout,
+    check_block_size,
+    kvlayer_config,
+    model_identity,
+    rank_config,
+    with_served_name,
+)
 from kvlayer.connectors.vllm_worker import WorkerSide
 from kvlayer.step import StepSpec
 from kvlayer.tier_events import Stored, TierEvent
@@ -115,6 +122,15 @@ def _hash(digest: bytes) -> ExternalBlockHash:
     return maybe_convert_block_hash(BlockHash(digest))
 
 
+def _tp_rank(tp: int) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if tp == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def _events_on(vllm_config: Any) -> bool:
     """Whether vLLM publishes KV-cache events (``kv_events_config.enable_kv_cache_events``): vLLM
     takes the connector's events at every step, but drops them unless they are on."""
@@ -130,16 +146,18 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self._config = kvlayer_config(transfer.kv_connector_extra_config)
+        self._config = with_served_name(kvlayer_config(transfer.kv_connector_extra_config), vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         check_block_size(self._config, self._block_size)
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
-        if tp != 1:
-            raise ValueError(f"kvlayer's vLLM connector runs with tensor_parallel_size 1 for now, got {tp}")
+        parallel = vllm_config.parallel_config
+        self._tp = int(parallel.tensor_parallel_size)
+        pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+        if pp != 1:
+            raise ValueError(f"kvlayer's vLLM connector runs with pipeline_parallel_size 1 for now, got {pp}")
         self._engine_id = str(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._client: LookupClient | None = None
+        self._clients: list[LookupClient] = []
         self._events_on = _events_on(vllm_config)
         self._events: list[KVCacheEvent] = []  # the scheduler side's, until take_events
         self.events_lost = 0
@@ -148,10 +166,12 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
             if transfer.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after building this side: kvlayer is a cache, so a
                 # chunk that fails to load (a dead tier, a corrupt file) is recomputed, not an error
-                log.info("kvlayer: kv_load_failure_policy %r -> 'recompute'", transfer.kv_load_failure_policy)
+                log.warning("kvlayer: kv_load_failure_policy %r -> 'recompute' (a chunk that fails to load "
+                            "is recomputed)", transfer.kv_load_failure_policy)
                 transfer.kv_load_failure_policy = "recompute"
-            self._client = LookupClient(socket_path(self._engine_id, 0), self._config.tier_timeout_ms / 1000)
-            self._scheduler = SchedulerSide(self._config, self._client, self._block_size)
+            timeout = self._config.tier_timeout_ms / 1000
+            self._clients = [LookupClient(socket_path(self._engine_id, r), timeout) for r in range(self._tp)]
+            self._scheduler = SchedulerSide(self._config, RankedLookups(self._clients), self._block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -172,11 +192,14 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         layout = cache_layout(first, model.get_num_kv_heads(self._vllm_config.parallel_config),
                               model.get_head_size(), self._block_size, first.dtype, len(names))
         name, fingerprint = model_identity(str(model.model), getattr(model, "revision", None))
+        rank = _tp_rank(self._tp)
         engine = {"model_name": name, "model_fingerprint": fingerprint, "device": str(first.device),
-                  "tp_rank": 0, "tp_size": 1}
-        self._worker = WorkerSide(self._config, layout, socket_path(self._engine_id, 0), engine, self._events_on)
+                  "tp_rank": rank, "tp_size": self._tp}
+        config = self._config if self._tp == 1 else rank_config(self._config, rank)
+        self._worker = WorkerSide(config, layout, socket_path(self._engine_id, rank), engine, self._events_on)
         self._worker.register(names, [kv_caches[n] for n in names])
-        log.info("kvlayer: %d layers of %s, tiers %s", len(names), layout.cache_layout, self._worker.kv.tier_names)
+        log.info("kvlayer: %d layers of %s (tensor-parallel rank %d of %d), tiers %s", len(names),
+                 layout.cache_layout, rank, self._tp, self._worker.kv.tier_names)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -231,8 +254,8 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         if self._worker is not None:
             worker, self._worker = self._worker, None
             worker.close()
-        if self._client is not None:
-            self._client.close()
+        for client in self._clients:
+            client.close()
 
     # ----- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
+
 from kvlayer.config import KVLayerConfig
-from kvlayer.connectors.vllm_scheduler import REUSE_LOOKUP_S, SchedulerSide
+from kvlayer.connectors.vllm_scheduler import REUSE_LOOKUP_S, RankedLookups, SchedulerSide
 
 BS, CHUNK = 4, 8
 
@@ -112,3 +114,27 @@ def test_failed_blocks_are_saved_again_once_recomputed() -> None:
     assert save.first == 16 and len(save.token_ids) == 32
     s.finished("a")
     assert s.build(output(cached=[("a", None, 33)], scheduled={"a": 1})).saves == ()
+
+
+@dataclass
+class RankLookups:
+    answer: tuple
+    asked: int = 0
+
+    def lookup(self, token_ids, salt, *, request_id="", start=0, limit=None):
+        self.asked += 1
+        return self.answer
+
+
+def test_ranks_agree_or_the_fewest_tokens_win_without_sources() -> None:
+    same = [RankLookups((16, (0, 2))), RankLookups((16, (0, 2)))]
+    assert RankedLookups(same).lookup([1] * 20, None) == (16, (0, 2)), "agreeing ranks keep the tiers"
+    differ = [RankLookups((16, (0, 2))), RankLookups((8, (1,)))]
+    assert RankedLookups(differ).lookup([1] * 20, None) == (8, ()), "the fewest; each worker finds its tiers itself"
+    tiers_differ = [RankLookups((16, (0, 0))), RankLookups((16, (0, 2)))]
+    assert RankedLookups(tiers_differ).lookup([1] * 20, None) == (16, ())
+    first_misses = [RankLookups((0, ())), RankLookups((16, (0, 2)))]
+    assert RankedLookups(first_misses).lookup([1] * 20, None) == (0, ()) and first_misses[1].asked == 0, \
+        "a rank's miss is the answer: the other ranks are not asked"
+    with pytest.raises(ValueError, match="at least one rank"):
+        RankedLookups([])

@@ -35,7 +35,7 @@ def drive(spec: dict[str, Any], tmp: Path, mp: bool = False, background: bool = 
 
 
 def result(proc: subprocess.Popen[bytes], timeout: float = 600) -> Any:
-    """The JSON answer of a driver ``drive`` started in the background (its last stdout line);
+    """The JSON answer of a driver ``drive`` started in the background (its last JSON line);
     fails the test with the driver's stderr if it did not answer."""
     out, err = proc.logs  # type: ignore[attr-defined]
     try:
@@ -43,6 +43,7 @@ def result(proc: subprocess.Popen[bytes], timeout: float = 600) -> Any:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    lines = out.read_text().strip().splitlines()
+    # the answer is the last JSON object line: vLLM's worker processes may log to stdout after it
+    lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"the vLLM driver failed:\n{err.read_text()[-3000:]}"
     return json.loads(lines[-1])

@@ -16,6 +16,9 @@ vLLM's scheduler published during it (``_Published`` where the scheduler is in t
 ``_Subscribed`` to the ZMQ endpoint otherwise): kvlayer's (``events``) and how many were vLLM's
 own (``kvlayer.tier_events``); and, where the worker is in this process, kvlayer's chunk keys of each
 prompt (``keys``, hex) and the digests each tier holds after the round (``held``, hex).
+``tensor_parallel_size`` > 1 runs that many worker processes (vLLM's "mp" executor); each round
+then has ``ranks``: per rank (in rank order) its stats, keys and held digests as above, asked of
+each worker through vLLM's ``collective_rpc`` and the ``WorkerReport`` extension (plain data).
 """
 
 from __future__ import annotations
@@ -123,6 +126,20 @@ def _stats() -> dict[str, Any] | None:
     return {**worker.kv.stats(), "connector": dict(worker.totals)}
 
 
+class WorkerReport:
+    """A vLLM worker extension (``worker_extension_cls``): what kvlayer's worker side in this
+    worker process holds, for the driver's ``collective_rpc("kvlayer_report", ...)``."""
+
+    def kvlayer_report(self, prompts: list[list[int]], salts: list[str | None]) -> dict[str, Any] | None:
+        worker = in_process_worker()
+        if worker is None:
+            return None
+        worker.kv.flush()
+        held = {tier: sorted(d.hex() for d in digests) for tier, digests in worker.kv.snapshot().items()}
+        return {"rank": worker.kv.namespace.tp_rank, "stats": {**worker.kv.stats(), "connector": dict(worker.totals)},
+                "keys": [[k.hex for k in worker.kv.keys(p, s)] for p, s in zip(prompts, salts)], "held": held}
+
+
 def _wait(path: str) -> None:
     Path(path + ".ready").touch()
     deadline = time.monotonic() + 120
@@ -148,6 +165,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     if spec.get("blocks"):
         kwargs["num_gpu_blocks_override"] = spec["blocks"]
+    tp = spec.get("tensor_parallel_size", 1)
+    if tp > 1:
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp",
+                      worker_extension_cls="tests.connectors.vllm_driver.WorkerReport")
     started = time.monotonic()
     try:
         llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
@@ -167,6 +188,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         results = llm.generate(prompts, params, use_tqdm=False)
         out["rounds"].append({"tokens": [list(r.outputs[0].token_ids) for r in results],
                               "cached": [r.num_cached_tokens for r in results], "stats": _stats()})
+        if tp > 1 and spec.get("kvlayer") is not None:
+            out["rounds"][-1]["ranks"] = llm.collective_rpc("kvlayer_report", args=(rnd["prompts"], salts))
         if published is not None:
             events, others = published.take()
             out["rounds"][-1].update(events=events, vllm_events=others, **_keys(rnd["prompts"], salts))
