@@ -16,7 +16,8 @@ Ratios, each of two figures of this run: kvlayer's hit over vLLM's prefix-cache 
 the longest length for cpu: <= 1.25), kvlayer's hit over ``offloading``'s (goal <= 1), and each
 configuration's miss over ``recompute`` (what an all-miss costs, pair by pair).
 
-Example: ``kvlayer bench vllm --lengths 1024,2048,4096,8192 --plot vllm.png --json vllm.json``
+Example: ``kvlayer bench vllm --lengths 1024,2048,4096,8192 --plot vllm.png --json vllm.json``;
+``--tp 2`` runs every configuration with two tensor-parallel ranks (kvlayer: a shard per rank).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", type=_configs, default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
     p.add_argument("--chunk-size", type=positive_int, default=256, help="kvlayer's chunk (a multiple of 128)")
     p.add_argument("--block-size", type=positive_int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="vLLM's tensor_parallel_size for every configuration (its 'mp' executor; on the CPU build "
+                        "each rank gets its own cores unless VLLM_CPU_OMP_THREADS_BIND is set)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="model dtype (float32 on these CPUs; bfloat16 for FlashAttention on CUDA)")
     add_plot_argument(p)
@@ -81,7 +85,8 @@ def config_spec(name: str, args: argparse.Namespace, model: str, vocab: int, fol
     spec: dict[str, Any] = {"model": model, "lengths": args.lengths, "suffix": args.suffix, "repeat": args.repeat,
                             "vocab": vocab, "block_size": args.block_size, "dtype": args.dtype,
                             "max_model_len": max(args.lengths) + args.suffix + 16,
-                            "prefix_caching": name == "prefix-cache", "connector": None, "extra": {}}
+                            "prefix_caching": name == "prefix-cache", "connector": None, "extra": {},
+                            "tensor_parallel_size": args.tp}
     kv: dict[str, Any] = {"chunk_size": args.chunk_size, "cpu_capacity": 0}
     if name == "cpu":
         kv["cpu_capacity"] = "4GiB"
@@ -106,6 +111,9 @@ def run_config(spec: dict[str, Any], folder: str, advance: Any) -> dict[str, Any
     path = Path(tempfile.mkstemp(suffix=".json", dir=folder)[1])
     path.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    tp = spec.get("tensor_parallel_size", 1)
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = rank_cores(tp, os.cpu_count() or 1)
     proc = subprocess.Popen([sys.executable, "-m", "kvlayer.benchmarks.vllm_runner", str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     out: dict[str, Any] = {"rows": []}
@@ -124,6 +132,15 @@ def run_config(spec: dict[str, Any], folder: str, advance: Any) -> dict[str, Any
     if not out["rows"] and "error" not in out:
         out["error"] = f"the vLLM runner exited with {proc.returncode}"
     return out
+
+
+def rank_cores(ranks: int, cores: int) -> str:
+    """vLLM CPU's ``VLLM_CPU_OMP_THREADS_BIND`` giving ``ranks`` ranks a share each of ``cores``
+    cores ("0|1" for 2 of 2, "0-7|8-15" for 2 of 16); ranks share core 0 when there are fewer."""
+    if cores < ranks:
+        return "|".join("0" for _ in range(ranks))
+    share = cores // ranks
+    return "|".join(str(r * share) if share == 1 else f"{r * share}-{(r + 1) * share - 1}" for r in range(ranks))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -190,7 +207,8 @@ def report(record: dict[str, Any]) -> None:
             rows.append([name, "-", None, None, None, f"did not run: {res['error']}"])
         for r in res.get("rows", []):
             rows.append([name, r["length"], r["miss_s"], r["hit_s"], r["cached"], ""])
-    print_table(f"bench vllm: TTFT inside vLLM ({record['model']['name']}, float32, CPU)",
+    tp = record["settings"].get("tp", 1)
+    print_table(f"bench vllm: TTFT inside vLLM ({record['model']['name']}, float32, CPU, TP {tp})",
                 ["config", "prefix", "first (miss) s", "hit s", "cached", "note"], rows)
     pairs = [[r["length"], r["config"], r.get("over_prefix_cache"), r.get("over_offloading")]
              for r in record["ratios"] if "over_prefix_cache" in r]

@@ -42,6 +42,10 @@ def _engine(spec: dict[str, Any]) -> Any:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
             kv_connector_extra_config=spec.get("extra") or {})
+    tp = spec.get("tensor_parallel_size", 1)
+    if tp > 1:  # worker processes of their own; FlushWorkers lets this process reach their kvlayer
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp",
+                      worker_extension_cls="kvlayer.benchmarks.vllm_runner.FlushWorkers")
     return LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"), enforce_eager=True,
                max_model_len=spec["max_model_len"], block_size=spec.get("block_size", 128),
                enable_prefix_caching=spec.get("prefix_caching", False), seed=0, **kwargs)
@@ -68,8 +72,23 @@ def in_process_worker() -> Any:
         return None
 
 
-def _flush() -> None:
-    """Wait for kvlayer's background writes (NVMe, Redis) where its worker is in this process."""
+class FlushWorkers:
+    """A vLLM worker extension (``worker_extension_cls``): ``kvlayer_flush`` waits for the
+    worker's kvlayer writes, for ``collective_rpc`` from the engine's process."""
+
+    def kvlayer_flush(self) -> bool:
+        worker = in_process_worker()
+        if worker is not None:
+            worker.kv.flush()
+        return worker is not None
+
+
+def _flush(llm: Any, tp: int) -> None:
+    """Wait for kvlayer's background writes (NVMe, Redis): in this process's worker, or with
+    tensor parallelism in every rank's."""
+    if tp > 1:
+        llm.collective_rpc("kvlayer_flush")
+        return
     worker = in_process_worker()
     if worker is not None:
         worker.kv.flush()
@@ -90,7 +109,7 @@ def run(spec: dict[str, Any]) -> None:
         prefix = [rng.randrange(3, vocab) for _ in range(n)]
         suffixes = [[rng.randrange(3, vocab) for _ in range(spec["suffix"])] for _ in range(spec["repeat"] + 1)]
         miss_s, _, first = _ttft(llm, prefix + suffixes[0])
-        _flush()  # the hits read what the miss stored, whichever tier it went to
+        _flush(llm, spec.get("tensor_parallel_size", 1))  # the hits read what the miss stored
         hits = [_ttft(llm, prefix + s) for s in suffixes[1:]]
         print(json.dumps({"length": n, "miss_s": miss_s, "hit_s": statistics.median(h for h, _, _ in hits),
                           "hit_runs_s": [h for h, _, _ in hits], "cached": hits[-1][1],

@@ -58,3 +58,28 @@ def test_bench_vllm_rejects_bad_flags_in_one_line(tmp_path, capsys) -> None:
     code = main(["bench", "vllm", "--chunk-size", "100", "--block-size", "32", "--home", str(tmp_path),
                  "--model", str(init_model("small", tmp_path / "m"))])
     assert code == 2 and "--chunk-size 100 must be a multiple of --block-size 32" in capsys.readouterr().err
+
+
+def test_bench_vllm_with_two_tensor_parallel_ranks(tmp_path, capsys) -> None:
+    """The only run of ``--tp``: kvlayer's CPU tier against recompute at TP=2, every rank loading
+    its shard (the hit counted whole), with recompute's tokens (two engines: the other tiers at
+    TP=2 are tests/connectors/test_vllm_tp.py's)."""
+    model = str(init_model("small", tmp_path / "m"))  # 4 KV heads: 2 per rank
+    out = tmp_path / "vllm.json"
+    code = main(["bench", "vllm", "--model", model, "--home", str(tmp_path), "--lengths", "256", "--tp", "2",
+                 "--configs", "recompute,cpu", "--repeat", "1", "--chunk-size", "64",
+                 "--block-size", "32", "--json", str(out)])
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert code == 0 and record["settings"]["tp"] == 2 and "TP 2" in printed
+    configs = record["configs"]
+    assert all("error" not in configs[c] for c in configs), {c: configs[c].get("error") for c in configs}
+    assert [configs[c]["rows"][0]["cached"] for c in ("recompute", "cpu")] == [0, 256]
+    assert record["tokens_differ"] == []
+
+
+def test_ranks_get_cores_of_their_own() -> None:
+    from kvlayer.benchmarks.vllm_bench import rank_cores
+
+    assert (rank_cores(2, 2), rank_cores(2, 16), rank_cores(4, 8), rank_cores(2, 1)) == ("0|1", "0-7|8-15",
+                                                                                        "0-1|2-3|4-5|6-7", "0|0")
