@@ -1,5 +1,6 @@
 """The ``kvlayer`` command line: ``kvlayer model init``, ``kvlayer demo``, ``kvlayer config``,
-``kvlayer bench ...``, ``kvlayer serve``, ``kvlayer router``, ``kvlayer controller``, ``kvlayer admin ...``.
+``kvlayer bench ...``, ``kvlayer serve``, ``kvlayer router``, ``kvlayer controller``, ``kvlayer admin ...``,
+``kvlayer cache-server``.
 
 This module is the composition root: each subcommand imports the parts it wires together
 when it runs, so ``kvlayer --help`` stays fast and needs no optional dependency.
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("kvlayer.serving.cli", fromlist=["add_command"]).add_command(sub)  # serve
     __import__("kvlayer.router.cli", fromlist=["add_command"]).add_command(sub)  # router
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin
+    __import__("kvlayer.cacheserver.cli", fromlist=["add_command"]).add_command(sub)  # cache-server
     return p
 
 

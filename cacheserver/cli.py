@@ -1,0 +1,77 @@
+"""``kvlayer cache-server``: run the node cache server, or print a running one's ``--stats``.
+
+``kvlayer cache-server --socket PATH --cpu-capacity SIZE [--config FILE]``. The config file (and
+``KVLAYER_*`` variables) may give the socket (``cache_server``), the token
+(``cache_server_token``) and the capacity (``cpu_capacity``); the flags win. The server prints
+one line once it listens and stops on SIGTERM or SIGINT, removing its socket and arena file.
+This module imports only argparse at import time, so ``kvlayer --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``cache-server`` on the ``kvlayer`` command line."""
+    s = sub.add_parser("cache-server", help="one machine's CPU cache in shared memory, shared by its engine processes")
+    s.add_argument("--socket", help="Unix socket to listen on (default: the config's cache_server)")
+    s.add_argument("--cpu-capacity", help="bytes of the shared arena, e.g. 8GiB (default: the config's cpu_capacity)")
+    s.add_argument("--config", help="kvlayer YAML config (cache_server, cache_server_token, cpu_capacity)")
+    s.add_argument("--stats", action="store_true", help="print the running server's accounting and exit")
+    s.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until a signal (or print ``--stats``); ``ValueError`` (one line, exit 2) for a bad setting."""
+    import asyncio
+
+    from kvlayer.config import KVLayerConfig
+    from kvlayer.sizes import format_size, parse_size
+
+    config = KVLayerConfig.load(args.config)
+    path = args.socket or config.cache_server
+    if not path:
+        raise ValueError("cache-server needs --socket PATH (or cache_server in the config)")
+    token = config.cache_server_token
+    if args.stats:
+        return _print_stats(path, token)
+    capacity = parse_size(args.cpu_capacity) if args.cpu_capacity is not None else config.cpu_capacity
+    from kvlayer.cacheserver.server import CacheServer
+
+    server = CacheServer(path, capacity, token)
+    try:
+        asyncio.run(_serve(server, f"kvlayer cache-server: listening on {path} ({format_size(capacity)} "
+                                   f"arena {server.arena.path}, epoch {server.arena.epoch:016x})"))
+    except BaseException:
+        server.close()
+        raise
+    return 0
+
+
+async def _serve(server: object, banner: str) -> None:
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()  # type: ignore[attr-defined]
+    print(banner, flush=True)
+    await server.serve_until(stop)  # type: ignore[attr-defined]
+
+
+def _print_stats(path: str, token: str | None) -> int:
+    from kvlayer.cacheserver.sync_client import SyncClient
+
+    try:
+        with SyncClient(path, token) as client:
+            stats = client.stats()
+    except OSError as e:
+        print(f"kvlayer: error: cache server at {path}: {e}", file=sys.stderr)
+        return 2
+    for name, value in stats._asdict().items():
+        print(f"{name}: {value:016x}" if name == "epoch" else f"{name}: {value}")
+    return 0

@@ -1,0 +1,231 @@
+"""The server's chunk index: byte ranges of the arena, LRU eviction, reservations and leases.
+
+Pure bookkeeping (no I/O, no threads: the server's one event loop calls it). A chunk is first
+*reserved* by a session (a range is allocated, invisible to lookups), then *committed* with its
+checksum (visible, in the LRU order) or released (its range freed). A *lease* is a session's
+claim to read a committed chunk: a leased chunk is never evicted nor removed. A session that
+ends (its connection closed) gives back every lease and reservation it held, so the accounting
+returns to what it was before it connected.
+
+Eviction (a reservation that finds no free range): committed, unleased chunks in least recently
+used order until a range fits; never a chunk of the batch being reserved. A batch is touched in
+reverse order, so its first key (the head of a prefix chain) is the most recent and its tail
+goes first.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from kvlayer.cacheserver.protocol import Key, Lease, Slot, Status
+
+ALIGN = 256
+"""Every range starts and ends on this many bytes (any dtype's view of a range is aligned)."""
+
+
+class FreeList:
+    """First-fit allocation of aligned byte ranges of ``[base, base + size)``, coalescing frees."""
+
+    def __init__(self, base: int, size: int) -> None:
+        if base % ALIGN:
+            raise ValueError(f"base {base} is not a multiple of {ALIGN}")
+        self.base = base
+        self.size = size - size % ALIGN
+        self._starts = [base] if self.size else []
+        self._ends = [base + self.size] if self.size else []
+        self.used = 0
+
+    def allocate(self, size: int) -> int | None:
+        """The start of a free range of ``size`` bytes (rounded up to ``ALIGN``), or None."""
+        need = -(-size // ALIGN) * ALIGN
+        for i, (start, end) in enumerate(zip(self._starts, self._ends)):
+            if end - start >= need:
+                if end - start == need:
+                    del self._starts[i], self._ends[i]
+                else:
+                    self._starts[i] = start + need
+                self.used += need
+                return start
+        return None
+
+    def free(self, start: int, size: int) -> None:
+        """Give back the range ``allocate`` returned for ``size`` bytes."""
+        need = -(-size // ALIGN) * ALIGN
+        end = start + need
+        i = bisect.bisect_left(self._starts, start)
+        self._starts.insert(i, start)
+        self._ends.insert(i, end)
+        if i + 1 < len(self._starts) and self._ends[i] == self._starts[i + 1]:  # merge with the next
+            self._ends[i] = self._ends.pop(i + 1)
+            del self._starts[i + 1]
+        if i > 0 and self._ends[i - 1] == self._starts[i]:  # and with the previous
+            self._ends[i - 1] = self._ends.pop(i)
+            del self._starts[i]
+        self.used -= need
+
+
+@dataclass(slots=True)
+class Entry:
+    """One chunk's range, tokens digest and checksum; committed once visible, leases by every session."""
+
+    offset: int
+    size: int
+    tokens_digest: bytes
+    checksum: int = 0
+    committed: bool = False
+    leases: int = 0
+
+
+@dataclass(slots=True)
+class Session:
+    """One connection's claims: reservations not yet committed and leases (counted per chunk)."""
+
+    reserved: set[bytes] = field(default_factory=set)
+    leases: Counter[bytes] = field(default_factory=Counter)
+
+
+class ChunkIndex:
+    """The chunks of one arena's data region ``[base, base + size)``."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self._space = FreeList(base, size)
+        self._entries: dict[bytes, Entry] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed chunks, least recent first
+        self.evictions = 0
+        self.refused = 0
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of the data region (rounded down to ``ALIGN``)."""
+        return self._space.size
+
+    @property
+    def used(self) -> int:
+        """Bytes of allocated ranges (committed, reserved, or removed while leased)."""
+        return self._space.used
+
+    def counts(self) -> tuple[int, int, int]:
+        """(committed chunks, reservations, leases)."""
+        committed = len(self._lru)
+        return committed, len(self._entries) - committed, sum(e.leases for e in self._entries.values())
+
+    def lookup(self, keys: list[Key]) -> int:
+        """How many leading ``keys`` are committed with their tokens digest."""
+        n = 0
+        for key in keys:
+            if self._held(key) is None:
+                break
+            n += 1
+        self._touch(keys[:n])
+        return n
+
+    def reserve(self, session: Session, items: list[tuple[Key, int]]) -> list[Slot]:
+        """A range per item (sizes between 1 and the capacity, else ``ValueError``), or PRESENT for a
+        chunk held or being stored, or FULL from the first item no eviction makes room for."""
+        for _, size in items:
+            if not 0 < size <= self.capacity:
+                raise ValueError(f"size {size} outside 1..{self.capacity}")
+        protect = {key.digest for key, _ in items}
+        out: list[Slot] = []
+        for key, size in items:
+            if out and out[-1].status is Status.FULL:
+                out.append(Slot(Status.FULL, 0))
+            elif key.digest in self._entries:
+                out.append(Slot(Status.PRESENT, 0))
+            elif (offset := self._allocate(size, protect)) is None:
+                self.refused += 1
+                out.append(Slot(Status.FULL, 0))
+            else:
+                self._entries[key.digest] = Entry(offset, size, key.tokens_digest)
+                session.reserved.add(key.digest)
+                out.append(Slot(Status.OK, offset))
+        return out
+
+    def commit(self, session: Session, items: list[tuple[bytes, int]]) -> int:
+        """Make each of the session's reservations visible with its checksum; how many it committed
+        (a digest the session did not reserve is ignored)."""
+        n = 0
+        for digest, checksum in items:
+            if digest in session.reserved:
+                session.reserved.discard(digest)
+                entry = self._entries[digest]
+                entry.checksum, entry.committed = checksum, True
+                self._lru[digest] = None
+                n += 1
+        return n
+
+    def lease(self, session: Session, keys: list[Key]) -> list[Lease]:
+        """A lease on each committed key (its range and checksum), MISSING for the others."""
+        out = []
+        for key in keys:
+            entry = self._held(key)
+            if entry is None:
+                out.append(Lease(Status.MISSING, 0, 0, 0))
+                continue
+            entry.leases += 1
+            session.leases[key.digest] += 1
+            out.append(Lease(Status.OK, entry.offset, entry.size, entry.checksum))
+        self._touch([k for k, x in zip(keys, out) if x.status is Status.OK])
+        return out
+
+    def release(self, session: Session, digests: list[bytes]) -> int:
+        """Give back one lease of each digest (or, if the session holds none, its reservation)."""
+        n = 0
+        for digest in digests:
+            if session.leases[digest] > 0:
+                session.leases[digest] -= 1
+                if not session.leases[digest]:
+                    del session.leases[digest]
+                self._entries[digest].leases -= 1
+                n += 1
+            elif digest in session.reserved:
+                session.reserved.discard(digest)
+                self._drop(digest)
+                n += 1
+        return n
+
+    def remove(self, digests: list[bytes]) -> int:
+        """Remove each committed, unleased digest; how many were removed."""
+        n = 0
+        for digest in digests:
+            entry = self._entries.get(digest)
+            if entry is not None and entry.committed and entry.leases == 0:
+                self._drop(digest)
+                n += 1
+        return n
+
+    def end(self, session: Session) -> None:
+        """The session's connection closed: release everything it held."""
+        for digest, n in session.leases.items():
+            self._entries[digest].leases -= n
+        session.leases.clear()
+        for digest in session.reserved:
+            self._drop(digest)
+        session.reserved.clear()
+
+    # --- internals ----------------------------------------------------------------------
+    def _held(self, key: Key) -> Entry | None:
+        entry = self._entries.get(key.digest)
+        if entry is None or not entry.committed or entry.tokens_digest != key.tokens_digest:
+            return None
+        return entry
+
+    def _touch(self, keys: list[Key]) -> None:
+        for key in reversed(keys):
+            self._lru.move_to_end(key.digest)
+
+    def _allocate(self, size: int, protect: set[bytes]) -> int | None:
+        while (offset := self._space.allocate(size)) is None:
+            victim = next((d for d in self._lru if d not in protect and self._entries[d].leases == 0), None)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self.evictions += 1
+        return offset
+
+    def _drop(self, digest: bytes) -> None:
+        entry = self._entries.pop(digest)
+        self._lru.pop(digest, None)
+        self._space.free(entry.offset, entry.size)

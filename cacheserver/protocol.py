@@ -1,0 +1,319 @@
+"""The cache server's wire format (docs/architecture.md section 15): struct-packed frames, no pickle.
+
+Every message is a frame: ``FRAME`` (``u8 op``, ``u8 flags`` = 0, ``u16`` = 0, ``u32 body length``)
+then the body, little-endian. The client sends one request and reads its one reply (same op, or
+``ERROR`` after which the server closes the connection). The first request must be ``HELLO``.
+
+A key on the wire is ``KEY_BYTES``: the chunk key's 32-byte digest, then its 16-byte tokens
+digest (a held chunk whose tokens digest differs is a miss). Bodies (``n`` is a ``u32`` count,
+at most ``MAX_ITEMS``):
+
+- ``HELLO``   ``4s magic, u16 version, u16 token length, token`` ->
+              ``u16 version, u64 epoch, u64 arena bytes, u64 data offset, u16 path length, path``
+- ``LOOKUP``  ``n, n x key`` -> ``u32 leading keys held``
+- ``RESERVE`` ``n, n x (key, u64 size)`` -> ``n, n x (u8 status, u64 offset)``
+- ``COMMIT``  ``n, n x (digest, u64 checksum)`` -> ``u32 committed``
+- ``LEASE``   ``n, n x key`` -> ``n, n x (u8 status, u64 offset, u64 size, u64 checksum)``
+- ``RELEASE`` ``n, n x digest`` -> ``u32 released`` (a lease, or a reservation not committed)
+- ``REMOVE``  ``n, n x digest`` -> ``u32 removed``
+- ``STATS``   empty -> ``Stats`` as ``len(Stats._fields)`` x ``u64``
+- ``ERROR``   ``u16 code, message (UTF-8)``
+
+Offsets are byte offsets in the arena file; the checksum is xxh3-64 of the chunk's bytes.
+Decoders raise ``ProtocolError`` for any body that is not exactly what its op allows.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+VERSION = 1
+MAGIC = b"KVCS"
+FRAME = struct.Struct("<BBHI")
+DIGEST_BYTES = 32
+TOKENS_BYTES = 16
+KEY_BYTES = DIGEST_BYTES + TOKENS_BYTES
+MAX_ITEMS = 8192
+"""The most keys one frame carries (a client splits longer batches)."""
+MAX_TOKEN = 1024
+MAX_BODY = 4 + MAX_ITEMS * (KEY_BYTES + 8)
+"""The largest body either side reads; a longer one is a protocol error."""
+
+_COUNT = struct.Struct("<I")
+_HELLO = struct.Struct("<4sHH")
+_WELCOME = struct.Struct("<HQQQH")
+_SIZE = struct.Struct("<Q")
+_SLOT = struct.Struct("<BQ")
+_LEASE = struct.Struct("<BQQQ")
+_ERROR = struct.Struct("<H")
+
+
+class Op(enum.IntEnum):
+    """A frame's op; a reply carries its request's op, or ``ERROR``."""
+
+    HELLO = 1
+    LOOKUP = 2
+    RESERVE = 3
+    COMMIT = 4
+    LEASE = 5
+    RELEASE = 6
+    REMOVE = 7
+    STATS = 8
+    ERROR = 255
+
+
+class Status(enum.IntEnum):
+    """Per-item answer of ``RESERVE`` and ``LEASE``."""
+
+    OK = 0
+    PRESENT = 1
+    """Reserve: the chunk is held or being stored already (nothing to write)."""
+    FULL = 2
+    """Reserve: no room even after eviction (this and every later item of the frame)."""
+    MISSING = 3
+    """Lease: not held (or held for other tokens)."""
+
+
+class ErrorCode(enum.IntEnum):
+    """Why the server closed a connection (the ``ERROR`` frame's code)."""
+
+    MALFORMED = 1
+    BAD_VERSION = 2
+    BAD_TOKEN = 3
+    NOT_HELLO = 4
+
+
+class ProtocolError(ValueError):
+    """A frame that breaks the format; the connection it came on is closed."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Key(NamedTuple):
+    """A chunk key on the wire."""
+
+    digest: bytes
+    tokens_digest: bytes
+
+    def pack(self) -> bytes:
+        """The key's ``KEY_BYTES`` on the wire."""
+        return self.digest + self.tokens_digest
+
+
+class Welcome(NamedTuple):
+    """The server's answer to ``HELLO``: where its arena is and which epoch it carries."""
+
+    version: int
+    epoch: int
+    arena_bytes: int
+    data_offset: int
+    path: str
+
+
+class Slot(NamedTuple):
+    """One item of a ``RESERVE`` reply: where to write the chunk (``OK``) or why not."""
+
+    status: Status
+    offset: int
+
+
+class Lease(NamedTuple):
+    """One item of a ``LEASE`` reply: where the chunk is, its size and checksum (``OK``), or ``MISSING``."""
+
+    status: Status
+    offset: int
+    size: int
+    checksum: int
+
+
+class Stats(NamedTuple):
+    """The server's accounting, all counts."""
+
+    epoch: int
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    reserved: int
+    leases: int
+    connections: int
+    evictions: int
+    refused: int
+
+
+_STATS = struct.Struct(f"<{len(Stats._fields)}Q")
+
+
+def frame(op: Op, body: bytes = b"") -> bytes:
+    """One frame: the header then ``body``."""
+    return FRAME.pack(op, 0, 0, len(body)) + body
+
+
+def parse_header(header: bytes) -> tuple[int, int]:
+    """``(op, body length)`` of a frame header; ``ProtocolError`` for nonzero padding or a body
+    longer than ``MAX_BODY`` (the op itself is checked by whoever dispatches it)."""
+    op, flags, pad, length = FRAME.unpack(header)
+    if flags or pad:
+        raise ProtocolError("nonzero frame padding")
+    if length > MAX_BODY:
+        raise ProtocolError(f"body of {length} bytes exceeds {MAX_BODY}")
+    return op, length
+
+
+# --- requests ----------------------------------------------------------------------------
+def hello(token: str | None) -> bytes:
+    """The body of ``HELLO``; ``ValueError`` for a token over ``MAX_TOKEN`` bytes."""
+    raw = (token or "").encode()
+    if len(raw) > MAX_TOKEN:
+        raise ValueError(f"a cache server token is at most {MAX_TOKEN} bytes")
+    return _HELLO.pack(MAGIC, VERSION, len(raw)) + raw
+
+
+def parse_hello(body: bytes) -> tuple[int, bytes]:
+    """``(version, token)``; ``ProtocolError`` for a bad magic or length."""
+    if len(body) < _HELLO.size:
+        raise ProtocolError("short hello")
+    magic, version, n = _HELLO.unpack_from(body)
+    if magic != MAGIC or len(body) != _HELLO.size + n or n > MAX_TOKEN:
+        raise ProtocolError("malformed hello")
+    return version, body[_HELLO.size:]
+
+
+def keys(items: list[Key]) -> bytes:
+    """The body of ``LOOKUP`` and ``LEASE``."""
+    return _COUNT.pack(len(items)) + b"".join(k.pack() for k in items)
+
+
+def digests(items: list[bytes]) -> bytes:
+    """The body of ``RELEASE`` and ``REMOVE``."""
+    return _COUNT.pack(len(items)) + b"".join(items)
+
+
+def reserve(items: list[tuple[Key, int]]) -> bytes:
+    """The body of ``RESERVE``: each key with its chunk's size in bytes."""
+    return _COUNT.pack(len(items)) + b"".join(k.pack() + _SIZE.pack(size) for k, size in items)
+
+
+def commit(items: list[tuple[bytes, int]]) -> bytes:
+    """The body of ``COMMIT``: each reserved digest with the checksum of its bytes."""
+    return _COUNT.pack(len(items)) + b"".join(d + _SIZE.pack(c) for d, c in items)
+
+
+def _records(body: bytes, size: int) -> list[bytes]:
+    """The ``n`` records of ``size`` bytes after a count; ``ProtocolError`` unless exact."""
+    if len(body) < _COUNT.size:
+        raise ProtocolError("missing count")
+    (n,) = _COUNT.unpack_from(body)
+    if n > MAX_ITEMS or len(body) != _COUNT.size + n * size:
+        raise ProtocolError(f"{n} items do not match a body of {len(body)} bytes")
+    return [body[4 + i * size: 4 + (i + 1) * size] for i in range(n)]
+
+
+def parse_keys(body: bytes) -> list[Key]:
+    """The keys of a ``LOOKUP`` or ``LEASE`` body."""
+    return [Key(r[:DIGEST_BYTES], r[DIGEST_BYTES:]) for r in _records(body, KEY_BYTES)]
+
+
+def parse_digests(body: bytes) -> list[bytes]:
+    """The digests of a ``RELEASE`` or ``REMOVE`` body."""
+    return _records(body, DIGEST_BYTES)
+
+
+def parse_reserve(body: bytes) -> list[tuple[Key, int]]:
+    """The (key, size) items of a ``RESERVE`` body (sizes are checked by the index)."""
+    return [(Key(r[:DIGEST_BYTES], r[DIGEST_BYTES:KEY_BYTES]), _SIZE.unpack_from(r, KEY_BYTES)[0])
+            for r in _records(body, KEY_BYTES + 8)]
+
+
+def parse_commit(body: bytes) -> list[tuple[bytes, int]]:
+    """The (digest, checksum) items of a ``COMMIT`` body."""
+    return [(r[:DIGEST_BYTES], _SIZE.unpack_from(r, DIGEST_BYTES)[0]) for r in _records(body, DIGEST_BYTES + 8)]
+
+
+def _status(value: int) -> Status:
+    try:
+        return Status(value)
+    except ValueError:
+        raise ProtocolError(f"unknown status {value}") from None
+
+
+def parse_empty(body: bytes) -> None:
+    """``ProtocolError`` unless the body is empty (``STATS``)."""
+    if body:
+        raise ProtocolError("unexpected body")
+
+
+# --- replies -----------------------------------------------------------------------------
+def welcome(w: Welcome) -> bytes:
+    """The body of the reply to ``HELLO``."""
+    raw = w.path.encode()
+    return _WELCOME.pack(w.version, w.epoch, w.arena_bytes, w.data_offset, len(raw)) + raw
+
+
+def parse_welcome(body: bytes) -> Welcome:
+    """The reply to ``HELLO``."""
+    if len(body) < _WELCOME.size:
+        raise ProtocolError("short welcome")
+    version, epoch, size, offset, n = _WELCOME.unpack_from(body)
+    if len(body) != _WELCOME.size + n:
+        raise ProtocolError("malformed welcome")
+    return Welcome(version, epoch, size, offset, body[_WELCOME.size:].decode())
+
+
+def count(n: int) -> bytes:
+    """A reply that is one count."""
+    return _COUNT.pack(n)
+
+
+def parse_count(body: bytes) -> int:
+    """The count of a reply that is one."""
+    if len(body) != _COUNT.size:
+        raise ProtocolError("malformed count")
+    return _COUNT.unpack(body)[0]
+
+
+def slots(items: list[Slot]) -> bytes:
+    """The body of the reply to ``RESERVE``."""
+    return _COUNT.pack(len(items)) + b"".join(_SLOT.pack(*s) for s in items)
+
+
+def parse_slots(body: bytes) -> list[Slot]:
+    """The reply to ``RESERVE``."""
+    return [Slot(_status(s), o) for s, o in (_SLOT.unpack(r) for r in _records(body, _SLOT.size))]
+
+
+def leases(items: list[Lease]) -> bytes:
+    """The body of the reply to ``LEASE``."""
+    return _COUNT.pack(len(items)) + b"".join(_LEASE.pack(*x) for x in items)
+
+
+def parse_leases(body: bytes) -> list[Lease]:
+    """The reply to ``LEASE``."""
+    return [Lease(_status(s), o, n, c) for s, o, n, c in (_LEASE.unpack(r) for r in _records(body, _LEASE.size))]
+
+
+def stats(s: Stats) -> bytes:
+    """The body of the reply to ``STATS``."""
+    return _STATS.pack(*s)
+
+
+def parse_stats(body: bytes) -> Stats:
+    """The reply to ``STATS``."""
+    if len(body) != _STATS.size:
+        raise ProtocolError("malformed stats")
+    return Stats(*_STATS.unpack(body))
+
+
+def error(code: ErrorCode, message: str) -> bytes:
+    """The body of an ``ERROR`` frame (the message cut to 200 bytes)."""
+    return _ERROR.pack(code) + message.encode()[:200]
+
+
+def parse_error(body: bytes) -> tuple[int, str]:
+    """(code, message) of an ``ERROR`` frame."""
+    if len(body) < _ERROR.size:
+        raise ProtocolError("malformed error")
+    return _ERROR.unpack_from(body)[0], body[_ERROR.size:].decode(errors="replace")
