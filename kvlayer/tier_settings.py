@@ -123,6 +123,9 @@ class TierSettings:
     check: Callable[[Mapping[str, Any]], None] = _nothing
     place: str = ""
     probe: Probe | None = None
+    replaces: tuple[str, str, Any] = ()
+    """``(tier, key, value)``: while this tier is enabled it stands in for ``tier``, whose setting
+    ``key`` then defaults to ``value`` (one that turns it off) unless the config gives it."""
 
     def __post_init__(self) -> None:
         keys = [s.key for s in self.settings]
@@ -133,6 +136,8 @@ class TierSettings:
             raise ValueError(f"place must name one of the tier's optional settings, got {self.place!r}")
         if self.probe is not None and not self.place:
             raise ValueError("a probe needs the place it tries")
+        if self.replaces and len(self.replaces) != 3:
+            raise ValueError(f"replaces must be (tier, key, value), got {self.replaces!r}")
 
     def resolve(self, tier: str, given: Mapping[str, Any]) -> Section:
         """Tier ``tier``'s section from the values ``given`` (every other setting at its default).
@@ -202,7 +207,14 @@ def resolve_tiers(sections: Mapping[str, Mapping[str, Any]],
                               f"tiers with settings: {sorted(declared)}")
         if not isinstance(given, Mapping) or not all(isinstance(k, str) for k in given):
             raise ConfigError(f"tiers.{tier} must be a mapping of setting names to values, got {given!r}")
-    return FrozenMap({tier: d.resolve(tier, sections.get(tier, {})) for tier, d in sorted(declared.items())})
+    out = {tier: d.resolve(tier, sections.get(tier, {})) for tier, d in sorted(declared.items())}
+    for tier, d in sorted(declared.items()):  # an enabled tier standing in for another (``replaces``)
+        if d.replaces and out[tier].enabled and d.replaces[0] in out:
+            other, key, value = d.replaces
+            given = sections.get(other, {})
+            if key not in given:
+                out[other] = declared[other].resolve(other, {**given, key: value})
+    return FrozenMap(out)
 
 
 @functools.cache

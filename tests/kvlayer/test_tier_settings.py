@@ -133,3 +133,17 @@ def test_the_core_names_no_tier(module: str) -> None:
     named = {word for text in names_in_code(ROOT / "kvlayer" / module)
              for word in text.lower().replace("_", " ").replace(".", " ").split()}
     assert not named & {"gpu", "cpu", "nvme", "redis"}, f"kvlayer/{module} names a tier"
+
+
+def test_a_tier_that_stands_in_for_another_turns_it_off_unless_the_config_sets_it() -> None:
+    """The ``cache`` tier (a node cache server) declares ``replaces=("cpu", "capacity", 0)``."""
+    assert KVLayerConfig().cpu_capacity == 4 << 30, "no server: the default CPU tier"
+    served = KVLayerConfig(cache_server="/tmp/kv.sock")
+    assert served.cpu_capacity == 0 and not served.tiers["cpu"].enabled and served.tiers["cache"].enabled
+    assert served.replace(chunk_size=512).cpu_capacity == 0, "a round trip keeps it"
+    both = KVLayerConfig(cache_server="/tmp/kv.sock", cpu_capacity="1GiB")
+    assert both.cpu_capacity == 1 << 30, "a CPU tier the config asks for stays"
+    sections = {"cache": {"server": "/tmp/kv.sock"}, "cpu": {"capacity": "2GiB"}}
+    assert KVLayerConfig(tiers=sections).cpu_capacity == 2 << 30
+    with pytest.raises(ValueError, match="replaces must be"):
+        TierSettings((Setting("x", "int", 0),), replaces=("cpu",))
