@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "long-doc-qa", "long_doc_qa", "documents queried again, hits from the lower tiers", home)
     _add_bench(bench, "miss-overhead", "miss_overhead", "kvlayer's TTFT overhead when nothing ever hits", home)
     _add_bench(bench, "vllm", "vllm_bench", "TTFT inside vLLM: its own caches vs kvlayer's tiers", home)
+    _add_bench(bench, "cache-server", "cache_server_bench", "the node cache server vs an in-process CPU tier, "
+                                                           "and across an engine restart", home)
     _add_bench(bench, "fleet", "fleet_bench", "a fleet through the router: KV-aware routing vs round-robin/random, P/D",
                home)
     __import__("kvlayer.serving.cli", fromlist=["add_command"]).add_command(sub)  # serve
