@@ -115,7 +115,9 @@ class Fleet:
     """The server, two registered in-process instances, and an admin stub."""
 
     def __init__(self, tmp: str) -> None:
-        self.server = ServerThread(admin_token=ADMIN, max_tokens=MAX_TOKENS, command_timeout_s=5.0).start()
+        # a long heartbeat timeout: the streams must survive the fuzz, not a loaded machine's pauses
+        self.server = ServerThread(admin_token=ADMIN, max_tokens=MAX_TOKENS, command_timeout_s=5.0,
+                                   heartbeat_timeout_s=60.0).start()
         self.kvs = [make_kv("a", nvme_path=tmp), make_kv("b", model_name="other")]
         for t in KNOWN:
             store_tokens(self.kvs[0], t)
