@@ -210,21 +210,38 @@ class LookupClient:
         """How many leading tokens of ``token_ids`` (at most ``limit``) the worker can load for a
         request holding ``start`` already, and the tier of each chunk object to read;
         ``MISS`` when the worker cannot be asked."""
+        sent = self.send(token_ids, salt, request_id=request_id, start=start, limit=limit)
+        return self.receive(len(token_ids)) if sent else MISS
+
+    def send(self, token_ids: Sequence[int], salt: str | None, *, request_id: str = "", start: int = 0,
+             limit: int | None = None) -> bool:
+        """``lookup``'s request alone (``receive`` reads its answer), so several workers can be
+        asked at once; False, with nothing to receive, when the worker cannot be asked."""
         if self._sock is None and time.monotonic() < self._retry_at:
-            return MISS
+            return False
         try:
             request = encode_request(token_ids, salt, request_id, start, limit)
         except (ValueError, OverflowError) as e:  # not expressible on the wire: an id past int32, a lone surrogate
             if self._throttle.allow():
                 log.warning("kvlayer: a lookup the channel cannot carry (%s); a miss", e)
-            return MISS
+            return False
         try:
-            sock = self._connected()
-            sock.sendall(request)
-            found, n = struct.unpack("<II", _read_exact(sock, 8))
-            if found > len(token_ids) or n > len(token_ids) * MAX_GROUPS:  # at most a chunk per token and group
-                raise ConnectionError(f"a garbled answer ({found} tokens, {n} chunks) to {len(token_ids)} tokens")
-            return found, tuple(_read_exact(sock, n))
+            self._connected().sendall(request)
+        except OSError as e:
+            self._fail(e)
+            return False
+        return True
+
+    def receive(self, asked: int) -> Answer:
+        """The answer to the request ``send`` sent about ``asked`` tokens; ``MISS`` on a failure
+        or a garbled answer."""
+        try:
+            if self._sock is None:
+                raise ConnectionError("no request was sent")
+            found, n = struct.unpack("<II", _read_exact(self._sock, 8))
+            if found > asked or n > asked * MAX_GROUPS:  # at most a chunk per token and group
+                raise ConnectionError(f"a garbled answer ({found} tokens, {n} chunks) to {asked} tokens")
+            return found, tuple(_read_exact(self._sock, n))
         except (OSError, ConnectionError) as e:
             self._fail(e)
             return MISS

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from kvlayer.config import KVLayerConfig
-from kvlayer.connectors.lookup_channel import Answer
+from kvlayer.connectors.lookup_channel import MISS, Answer
 from kvlayer.requests import RequestTracker, SavePolicy
 from kvlayer.step import LoadSpec, SaveSpec, StepSpec
 from kvlayer.windows import Found
@@ -32,28 +32,36 @@ class Lookups(Protocol):
                limit: int | None = None) -> Answer: ...
 
 
-class RankedLookups:
-    """The lookups of every tensor-parallel rank's worker (one ``Lookups`` each, rank order): a
-    chunk counts as held only when every rank holds its shard, so the answer is the fewest
-    tokens any rank found. The tiers of each chunk object go with it when every rank answered
-    the same; otherwise none (each worker then asks its own tiers again at load time, and a
-    shard gone by then is a failed load that vLLM recomputes)."""
+class RankLookups(Protocol):
+    """One rank's lookups in two halves (``LookupClient``): every rank is asked, then answers."""
 
-    def __init__(self, ranks: Sequence[Lookups]) -> None:
+    def send(self, token_ids: Sequence[int], salt: str | None, *, request_id: str = "", start: int = 0,
+             limit: int | None = None) -> bool: ...
+
+    def receive(self, asked: int) -> Answer: ...
+
+
+class RankedLookups:
+    """The lookups of every tensor-parallel rank's worker (rank order), asked at once and then
+    read, so a lookup takes the slowest rank's time, not their sum. A chunk counts as held only
+    when every rank holds its shard, so the answer is the fewest tokens any rank found. The
+    tiers of each chunk object go with it when every rank answered the same; otherwise none
+    (each worker then asks its own tiers again at load time, and a shard gone by then is a
+    failed load that vLLM recomputes)."""
+
+    def __init__(self, ranks: Sequence[RankLookups]) -> None:
         if not ranks:
             raise ValueError("RankedLookups needs at least one rank")
         self._ranks = list(ranks)
 
     def lookup(self, token_ids: Sequence[int], salt: str | None, *, request_id: str = "", start: int = 0,
                limit: int | None = None) -> Answer:
-        answers = []
-        for rank in self._ranks:
-            answers.append(rank.lookup(token_ids, salt, request_id=request_id, start=start, limit=limit))
-            if not answers[-1][0]:
-                return answers[-1]  # one rank misses: the others need not be asked
+        sent = [r.send(token_ids, salt, request_id=request_id, start=start, limit=limit) for r in self._ranks]
+        answers = [r.receive(len(token_ids)) if ok else MISS for r, ok in zip(self._ranks, sent, strict=True)]
         if all(a == answers[0] for a in answers):
             return answers[0]
-        return min(a[0] for a in answers), ()
+        found = min(a[0] for a in answers)
+        return (found, ()) if found else MISS
 
 
 class SchedulerSide:

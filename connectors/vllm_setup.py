@@ -13,7 +13,6 @@ head size), kvlayer's ``LATENT_CACHE_LAYOUT``. Nothing here imports vLLM except 
 
 from __future__ import annotations
 
-import os
 import platform
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,14 +53,6 @@ def with_served_name(config: KVLayerConfig, vllm_config: Any) -> KVLayerConfig:
     if config.served_model_name or not isinstance(name, str) or not name:
         return config
     return config.replace(served_model_name=name)
-
-
-def rank_config(config: KVLayerConfig, rank: int) -> KVLayerConfig:
-    """``config`` for tensor-parallel rank ``rank``'s worker: its own ``instance_id`` (the
-    configured one, or the default, plus ``-tp<rank>``), so each rank registers with the
-    controller and reports its metrics apart; every other setting is the same."""
-    base = config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
-    return config.replace(instance_id=f"{base}-tp{rank}")
 
 
 def model_identity(model: str, revision: str | None) -> tuple[str, str]:

@@ -38,7 +38,6 @@ from kvlayer.connectors.vllm_setup import (
     check_block_size,
     kvlayer_config,
     model_identity,
-    rank_config,
     with_served_name,
 )
 from kvlayer.connectors.vllm_worker import WorkerSide
@@ -195,8 +194,7 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         rank = _tp_rank(self._tp)
         engine = {"model_name": name, "model_fingerprint": fingerprint, "device": str(first.device),
                   "tp_rank": rank, "tp_size": self._tp}
-        config = self._config if self._tp == 1 else rank_config(self._config, rank)
-        self._worker = WorkerSide(config, layout, socket_path(self._engine_id, rank), engine, self._events_on)
+        self._worker = WorkerSide(self._config, layout, socket_path(self._engine_id, rank), engine, self._events_on)
         self._worker.register(names, [kv_caches[n] for n in names])
         log.info("kvlayer: %d layers of %s (tensor-parallel rank %d of %d), tiers %s", len(names),
                  layout.cache_layout, rank, self._tp, self._worker.kv.tier_names)

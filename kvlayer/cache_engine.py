@@ -52,10 +52,12 @@ class KVCacheEngine:
     ``layout.cache_layout`` says: MLA's ``[num_blocks, block_size, latent_dim]``, opaque blocks).
     ``model_name``/``model_fingerprint`` and the TP rank enter every key's namespace, so
     chunks of another model, dtype, layout, tenant or ``storage_quantization`` never match.
-    ``backends`` overrides the tiers built from the config (tests, custom tiers). ``ValueError``
-    for a device this machine lacks, ``ConfigError`` for a bad setting, or for memory sizes
-    (the tiers' unless ``backends`` is given, and ``staging_capacity``) the host or the device
-    cannot hold now (``kvlayer.capacity.check_memory``), before anything is allocated.
+    ``instance_id`` is the config's (default: host and pid), plus ``-tp<rank>`` when ``tp_size``
+    is above 1, so each rank registers and reports apart. ``backends`` overrides the tiers built
+    from the config (tests, custom tiers). ``ValueError`` for a device this machine lacks,
+    ``ConfigError`` for a bad setting, or for memory sizes (the tiers' unless ``backends`` is
+    given, and ``staging_capacity``) the host or the device cannot hold now
+    (``kvlayer.capacity.check_memory``), before anything is allocated.
 
     ``tiers`` (the ``TierManager``), ``chunk_staging`` (the ``Staging``; ``staging`` is its
     arena) and ``groups`` (the layer groups lower tiers' reads arrive in) are the core's own:
@@ -73,7 +75,8 @@ class KVCacheEngine:
         self.namespace = Namespace(model_name, model_fingerprint, layout, self.config.chunk_size,
                                    tp_rank, tp_size, self.config.cache_salt,
                                    quantization=self.config.storage_quantization)
-        self.instance_id = self.config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
+        base = self.config.instance_id or f"{os.uname().nodename}-{os.getpid()}"
+        self.instance_id = f"{base}-tp{tp_rank}" if tp_size > 1 else base  # each rank registers apart
         self.metrics = Metrics(self.instance_id)
         self.chunk_staging = Staging.create(layout, self.config.chunk_size, self.config.staging_capacity, self.metrics)
         self.staging = self.chunk_staging.arena

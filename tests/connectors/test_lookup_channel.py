@@ -98,3 +98,28 @@ def test_a_garbled_request_closes_only_its_connection(path) -> None:
         assert LookupClient(path, timeout_s=2).lookup([1, 2], None) == (2, ())
     finally:
         server.close()
+
+
+def test_every_ranks_worker_is_asked_before_any_answers(tmp_path) -> None:
+    """``RankedLookups`` over two real channels: each worker's answer waits until both have been
+    asked (a barrier of two), which only a lookup that asks every rank at once gets past."""
+    from kvlayer.connectors.vllm_scheduler import RankedLookups
+
+    both_asked = threading.Barrier(2, timeout=5)
+
+    def answer(found: int):
+        def reply(q: Query):
+            both_asked.wait()
+            return found, (0,) * (found // 4)
+        return reply
+
+    servers = [LookupServer(str(tmp_path / f"r{i}.sock"), answer(n)) for i, n in enumerate((8, 4))]
+    clients = [LookupClient(s.path, timeout_s=10) for s in servers]
+    try:
+        assert RankedLookups(clients).lookup(list(range(12)), None) == (4, ()), "the fewer tokens, no tiers"
+        assert not both_asked.broken
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.close()

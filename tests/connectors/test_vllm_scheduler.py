@@ -119,22 +119,27 @@ def test_failed_blocks_are_saved_again_once_recomputed() -> None:
 @dataclass
 class RankLookups:
     answer: tuple
+    reachable: bool = True
     asked: int = 0
 
-    def lookup(self, token_ids, salt, *, request_id="", start=0, limit=None):
-        self.asked += 1
+    def send(self, token_ids, salt, *, request_id="", start=0, limit=None):
+        self.asked += self.reachable
+        return self.reachable
+
+    def receive(self, asked):
         return self.answer
 
 
-def test_ranks_agree_or_the_fewest_tokens_win_without_sources() -> None:
-    same = [RankLookups((16, (0, 2))), RankLookups((16, (0, 2)))]
-    assert RankedLookups(same).lookup([1] * 20, None) == (16, (0, 2)), "agreeing ranks keep the tiers"
-    differ = [RankLookups((16, (0, 2))), RankLookups((8, (1,)))]
-    assert RankedLookups(differ).lookup([1] * 20, None) == (8, ()), "the fewest; each worker finds its tiers itself"
-    tiers_differ = [RankLookups((16, (0, 0))), RankLookups((16, (0, 2)))]
-    assert RankedLookups(tiers_differ).lookup([1] * 20, None) == (16, ())
-    first_misses = [RankLookups((0, ())), RankLookups((16, (0, 2)))]
-    assert RankedLookups(first_misses).lookup([1] * 20, None) == (0, ()) and first_misses[1].asked == 0, \
-        "a rank's miss is the answer: the other ranks are not asked"
+def test_every_rank_is_asked_and_the_fewest_tokens_win() -> None:
+    def ranked(*ranks):
+        return RankedLookups(list(ranks)).lookup([1] * 20, None)
+
+    assert ranked(RankLookups((16, (0, 2))), RankLookups((16, (0, 2)))) == (16, (0, 2)), "agreeing ranks keep tiers"
+    assert ranked(RankLookups((16, (0, 2))), RankLookups((8, (1,)))) == (8, ()), "the fewest; each worker finds its own"
+    assert ranked(RankLookups((16, (0, 0))), RankLookups((16, (0, 2)))) == (16, ())
+    misses = [RankLookups((0, ())), RankLookups((16, (0, 2)))]
+    assert ranked(*misses) == (0, ()) and [r.asked for r in misses] == [1, 1], "asked at once, a miss wins"
+    assert ranked(RankLookups((16, (0, 2))), RankLookups((16, (0, 2)), reachable=False)) == (0, ()), \
+        "a rank that cannot be asked is a miss"
     with pytest.raises(ValueError, match="at least one rank"):
         RankedLookups([])

@@ -120,3 +120,12 @@ def test_a_device_this_machine_lacks_is_a_clear_error(monkeypatch):
         KVCacheEngine({"chunk_size": 8, "cpu_capacity": "1MiB"}, LAYOUT, device="cuda")
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
         KVCacheEngine({"chunk_size": 8}, LAYOUT, device="gpu")
+
+
+def test_each_tensor_parallel_rank_has_an_instance_id_of_its_own() -> None:
+    ids = []
+    for rank, size in ((0, 1), (1, 2)):
+        kv = KVCacheEngine({"instance_id": "node-a", "cpu_capacity": "1MiB"}, LAYOUT, tp_rank=rank, tp_size=size)
+        ids.append((kv.instance_id, kv.namespace.tp_rank))
+        kv.close()
+    assert ids == [("node-a", 0), ("node-a-tp1", 1)]
