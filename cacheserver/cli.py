@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlayer.config import KVLayerConfig
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     token = config.cache_server_token
     if args.stats:
         return _print_stats(path, token)
-    capacity = parse_size(args.cpu_capacity) if args.cpu_capacity is not None else config.cpu_capacity
+    capacity = parse_size(args.cpu_capacity) if args.cpu_capacity is not None else _capacity(config)
     from kvlayer.cacheserver.server import CacheServer
 
     server = CacheServer(path, capacity, token)
@@ -48,6 +52,17 @@ def run(args: argparse.Namespace) -> int:
         server.close()
         raise
     return 0
+
+
+def _capacity(config: KVLayerConfig) -> int:
+    """The arena's size from a config: its ``cpu_capacity``, or the CPU tier's default where the
+    config's ``cache_server`` turned it to 0 (the ``cache`` tier stands in for a client's CPU tier)."""
+    from kvlayer.tier_settings import installed
+
+    size = config.cpu_capacity
+    if size == 0 and config.cache_server:
+        size = next(s.default for s in installed()["cpu"].settings if s.key == "capacity")
+    return int(size)
 
 
 async def _serve(server: object, banner: str) -> None:

@@ -133,11 +133,13 @@ class Link:
         return MemoryObj(self.arena, offset, shape, dtype)
 
     def committed(self, offset: int) -> None:
-        """The reservation at ``offset`` was committed: nothing to release for it any more."""
+        """The reservation at ``offset`` was committed: the server holds it as our lease now,
+        released (``RELEASE``) with the last object viewing it."""
         with self.arena.lock:
             held = self._held.get(offset)
-            if held is not None:
+            if held is not None and held.reserved:
                 held.reserved = False
+                held.leases += 1
 
     def reserved_for(self, obj: MemoryObj, digest: bytes) -> bool:
         """Whether ``obj`` is one of this link's uncommitted reservations, of ``digest``."""

@@ -145,13 +145,17 @@ class ChunkIndex:
 
     def commit(self, session: Session, items: list[tuple[bytes, int]]) -> int:
         """Make each of the session's reservations visible with its checksum; how many it committed
-        (a digest the session did not reserve is ignored)."""
+        (a digest the session did not reserve is ignored). The reservation becomes the session's
+        lease: the writer may still read the chunk (a write-through to lower tiers), so it is not
+        evicted until the writer releases it."""
         n = 0
         for digest, checksum in items:
             if digest in session.reserved:
                 session.reserved.discard(digest)
                 entry = self._entries[digest]
                 entry.checksum, entry.committed = checksum, True
+                entry.leases += 1
+                session.leases[digest] += 1
                 self._lru[digest] = None
                 n += 1
         return n

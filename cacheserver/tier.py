@@ -160,7 +160,10 @@ class CacheServerBackend(StorageBackend):
                         commits.append((i, offset))
             for batch in _batches(commits):
                 items = [(keys[i].digest, self._checksum(link, offset, chunks[i].nbytes)) for i, offset in batch]
-                await link.call(Op.COMMIT, wire.commit(items))
+                done = wire.parse_count(await link.call(Op.COMMIT, wire.commit(items)))
+                if done != len(items):  # the server lost reservations it granted: trust none of it
+                    link.broken()
+                    raise ConnectionError(f"the cache server committed {done} of {len(items)} chunks")
                 for i, offset in batch:
                     link.committed(offset)
                     stored[i] = True

@@ -17,7 +17,9 @@ def key(i: int, tokens: bytes = b"t" * 16) -> Key:
 
 def store(index: ChunkIndex, session: Session, keys: list[Key], size: int = 1000) -> list[Status]:
     slots = index.reserve(session, [(k, size) for k in keys])
-    index.commit(session, [(k.digest, 0) for k, s in zip(keys, slots) if s.status is Status.OK])
+    done = [k.digest for k, s in zip(keys, slots) if s.status is Status.OK]
+    assert index.commit(session, [(d, 0) for d in done]) == len(done)
+    assert index.release(session, done) == len(done), "a commit is the writer's lease until it releases"
     return [s.status for s in slots]
 
 
@@ -71,6 +73,8 @@ def test_present_reserved_and_foreign_tokens():
     assert lease.status is Status.OK and lease.size == 100 and lease.checksum == 5
     assert index.remove([key(1).digest]) == 0  # leased: stays
     assert index.release(b, [key(1).digest, key(1).digest]) == 1  # one lease, released once
+    assert index.remove([key(1).digest]) == 0  # its writer's lease (the commit) still holds it
+    assert index.release(a, [key(1).digest]) == 1
     assert index.remove([key(1).digest]) == 1 and index.used == 0
 
 
@@ -108,3 +112,16 @@ def test_an_arena_header_of_another_epoch_is_refused(tmp_path):
     again = ArenaFile.create(str(tmp_path / "s.sock"), 8192, folder=tmp_path)  # a new server, same socket
     assert [p.name for p in tmp_path.iterdir()] == [again.path.rsplit("/", 1)[1]]  # the stale file is gone
     assert oct((tmp_path / again.path.rsplit("/", 1)[1]).stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_committed_chunk_is_not_evicted_while_its_writer_still_holds_it():
+    index = ChunkIndex(0, 2 * 1024)  # room for 2 chunks of 1000
+    writer, other = Session(), Session()
+    mine = [key(1), key(2)]
+    slots = index.reserve(writer, [(k, 1000) for k in mine])
+    assert index.commit(writer, [(k.digest, 0) for k in mine]) == 2 and index.lookup(mine) == 2
+    assert [s.status for s in index.reserve(other, [(key(3), 1000)])] == [Status.FULL], \
+        "the writer may still be copying them to a lower tier"
+    index.release(writer, [mine[0].digest])
+    assert [s.status for s in index.reserve(other, [(key(3), 1000)])] == [Status.OK]
+    assert index.lookup(mine) == 0 and index.lookup(mine[1:]) == 1 and slots[0].status is Status.OK

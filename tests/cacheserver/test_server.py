@@ -116,12 +116,13 @@ def test_a_killed_client_leaks_no_lease_and_no_memory(server):
         try:
             assert child.stdout.readline().strip() == "holding"
             held = c.stats()
-            assert (held.leases, held.reserved, held.chunks) == (6, 6, before.chunks + 6)
+            # 6 committed (each the writer's lease) and leased again, 6 reserved
+            assert (held.leases, held.reserved, held.chunks) == (before.leases + 12, 6, before.chunks + 6)
             assert held.used_bytes == before.used_bytes + 12 * 4096
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(10)
-    after = server.wait_stats(lambda s: s.connections == 1 and s.leases == 0)
+    after = server.wait_stats(lambda s: s.connections == 1 and s.leases == 0)  # ours went with our connection
     assert (after.reserved, after.chunks) == (0, before.chunks + 6)  # committed chunks stay, unleased
     with server.client() as c:
         assert c.call(Op.REMOVE, wire.digests([bytes([i]) * 32 for i in range(6)])) == wire.count(6)
@@ -142,6 +143,7 @@ def test_capacity_holds_under_constant_eviction(server):
             assert [s.status for s in slots] == [Status.OK] * 3
             assert all(4096 <= s.offset <= 4096 + capacity - chunk for s in slots)
             c.commit([(k.digest, i) for k in keys])
+            c.release([k.digest for k in keys])  # written: the commit's lease goes back
             stats = c.stats()
             assert stats.used_bytes <= stats.capacity_bytes == capacity
         stats = c.stats()
@@ -149,3 +151,20 @@ def test_capacity_holds_under_constant_eviction(server):
         assert c.lookup([pinned]) == 1 and c.lease([pinned])[0].checksum == 9
         newest = [Key((3 * 299 + j).to_bytes(32, "little"), b"t" * 16) for j in range(3)]
         assert c.lookup(newest) == 3
+
+
+@pytest.mark.parametrize(("extra", "arena"), [("", "4.0GiB"), ("cpu_capacity: 8MiB\n", "8.0MiB")])
+def test_a_config_that_names_the_socket_sizes_the_arena(tmp_path, sock_path, extra, arena):
+    """``cache_server`` in the server's own config turns a client's CPU tier off
+    (``TierSettings.replaces``); the server still takes the CPU tier's size: the config's, or its default."""
+    config = tmp_path / "server.yaml"
+    config.write_text(f"cache_server: {sock_path}\n{extra}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLAYER_")}
+    proc = subprocess.Popen([sys.executable, "-m", "kvlayer.cli", "cache-server", "--config", str(config)], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"listening on {sock_path} ({arena} arena" in line, line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
