@@ -130,21 +130,24 @@ def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams],
     its processors raised or returned something else than a ``[vocab]`` tensor, its logits
     hold NaN or +inf or are all -inf, or the draw raised. Never raises for a row's fault."""
     n = len(params)
+    if not n:
+        return []
+    top, best = logits.max(dim=-1)  # max carries NaN: one pass finds NaN, +inf and all -inf rows
+    raw_bad, greedy = (~torch.isfinite(top)).tolist(), best.tolist()
     results: list[Sampled | None] = [None] * n
-    raw_bad = _non_finite_rows(logits).tolist() if n else []
     final = logits
     for i, p in enumerate(params):
         if raw_bad[i]:
             results[i] = Sampled(None, "the model's logits hold NaN or infinity", model_fault=True)
-        elif p.logits_processors:
-            row, error = _processed(logits[i], p.logits_processors, outputs[i])
+        elif p.logits_processors:  # each gets a copy of its row: it may edit it in place
+            row, error = _processed(logits[i].clone(), p.logits_processors, outputs[i])
             if error is not None:
                 results[i] = Sampled(None, error)
                 continue
             if final is logits:
                 final = logits.clone()
             final[i] = row
-    greedy = final.argmax(dim=-1).tolist() if n else []
+            greedy[i] = int(row.argmax())
     for i, p in enumerate(params):
         if results[i] is not None:
             continue
@@ -169,11 +172,6 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens
 
 
-def _non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Per row: any NaN or +inf, or nothing above -inf (no token can be drawn)."""
-    return (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
-
-
 def _processed(row: torch.Tensor, processors: Sequence[LogitsProcessor],
                output_ids: Sequence[int]) -> tuple[torch.Tensor, str | None]:
     """``row`` after ``processors`` as float32 on its device, or the error (one line) they caused."""
@@ -187,7 +185,7 @@ def _processed(row: torch.Tensor, processors: Sequence[LogitsProcessor],
         row = row.to(device=device, dtype=torch.float32)
     except Exception as e:  # the request's own code: its failure is the request's alone
         return row, f"a logits processor raised {_one_line(e)}"
-    if bool(_non_finite_rows(row[None])[0]):
+    if not bool(torch.isfinite(row.max())):
         return row, "the logits processors left NaN or infinity in the logits"
     return row, None
 

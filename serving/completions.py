@@ -95,7 +95,7 @@ def _sampling(state: ServerState, req: GenerationRequest) -> SamplingParams:
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in 1..{MAX_N}, got {shown(req.n)}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0:
+        if getattr(req, name) not in (None, 0):  # OpenAI's null and 0 both mean none
             raise APIError(400, f"{name} is not supported by this server (only 0)", name)
     top_k = None if req.top_k in (None, 0, -1) else req.top_k
     if top_k is not None and top_k < 0:

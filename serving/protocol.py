@@ -102,8 +102,8 @@ class GenerationRequest(BaseModel):
     top_p: Number = 1.0
     top_k: StrictInt | None = None
     min_p: Number = 0.0
-    presence_penalty: Number = 0.0
-    frequency_penalty: Number = 0.0
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None

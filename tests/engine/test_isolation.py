@@ -144,6 +144,21 @@ def test_a_processor_sees_its_requests_output_so_far_and_steers_it(llm):
     assert seen == [[], [42], [42, 42]]
 
 
+def test_a_processor_may_edit_its_logits_in_place(llm):
+    """vLLM's usual form (``logits[banned] = -inf; return logits``): the model's logits come out
+    of inference mode, so the processor must get a row it may write."""
+    plain = llm.generate([{"prompt_token_ids": GOOD[0]}], GREEDY)[0].outputs[0].token_ids
+    first = plain[0]
+
+    def ban_first(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[first] = -math.inf
+        return logits
+    out = llm.generate([{"prompt_token_ids": GOOD[0]}], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logits_processors=(ban_first,)))[0].outputs[0]
+    assert out.finish_reason == "length" and out.error is None
+    assert first not in out.token_ids and out.token_ids != plain, "the greedy choice was banned"
+
+
 # ----- a real model fault: NaN from the model for one request -----------------------------------------
 def test_nan_from_the_model_fails_that_request_alone_and_never_reaches_another(tiny_model_dir, tmp_path):
     """The NaN request holds block 0 while the others decode (their block tables are padded, and

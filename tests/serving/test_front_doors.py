@@ -159,6 +159,12 @@ def test_a_seed_that_overflows_with_n_names_the_seed(doors):
     assert post(doors.url, {"seed": 2**63 - 2, "n": 2}).status_code == 200
 
 
+def test_null_and_zero_penalties_are_taken(doors):
+    for value in (None, 0, 0.0):  # OpenAI's clients send null for "none"
+        answer = post(doors.url, {"presence_penalty": value, "frequency_penalty": value})
+        assert answer.status_code == 200, answer.text
+
+
 def test_a_tiny_temperature_is_greedy(doors):
     body = {"prompt": ids(30, 3), "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
     greedy = post(doors.url, {**body, "temperature": 0})
