@@ -266,18 +266,15 @@ class KVCacheEngine:
         """Remove the present, unpinned ``keys`` from ``tier`` (every tier if None); how many."""
         return tier_admin.remove(self.tiers, keys, tier)
 
-    def copy(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str | None = None) -> int:
-        """Copy the longest prefix of ``keys`` held in ``src_tier`` (None: any other tier) into
-        ``dst_tier``; returns how many leading keys ``dst_tier`` then holds (``tier_admin.copy``)."""
-        return tier_admin.copy(self.tiers, keys, dst_tier, src_tier)
-
     def evict(self, keys: Sequence[ChunkKey], tiers: Sequence[str] | None = None) -> tier_admin.Outcome:
         """Remove the present, unpinned ``keys`` from ``tiers`` (every tier if None), counting what
         was removed, kept because pinned, and missing apart (``tier_admin.evict``)."""
         return tier_admin.evict(self.tiers, keys, tiers)
 
     def copy_prefix(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str | None = None) -> tier_admin.Outcome:
-        """``copy``, counting what was copied and missing (``tier_admin.copy_prefix``)."""
+        """Copy the longest prefix of ``keys`` held in ``src_tier`` (None: any other tier) into
+        ``dst_tier``: what was copied, what was missing, and how many leading keys ``dst_tier``
+        then holds (``tier_admin.copy_prefix``)."""
         return tier_admin.copy_prefix(self.tiers, keys, dst_tier, src_tier)
 
     def move(self, keys: Sequence[ChunkKey], dst_tier: str, src_tier: str) -> tier_admin.Outcome:

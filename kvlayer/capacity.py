@@ -139,7 +139,9 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 
 def _cgroup_left() -> Available | None:
-    """What a cgroup v2 memory limit leaves (``memory.max`` - ``memory.current``); None without one."""
+    """What a cgroup v2 memory limit leaves: ``memory.max`` less ``memory.current``, the page
+    cache the kernel can reclaim (``inactive_file`` in ``memory.stat``) not counted as used, as
+    the kubelet counts a container's working set. None without a limit."""
     try:
         limit = (CGROUP / "memory.max").read_text().strip()
         used = int((CGROUP / "memory.current").read_text().strip())
@@ -147,4 +149,9 @@ def _cgroup_left() -> Available | None:
         return None
     if limit == "max":
         return None
-    return Available(max(0, int(limit) - used), "cgroup memory.max")
+    try:
+        stat = dict(line.split() for line in (CGROUP / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+        used -= int(stat.get("inactive_file", 0))
+    except (OSError, ValueError):
+        pass
+    return Available(max(0, int(limit) - max(0, used)), "cgroup memory.max")

@@ -114,11 +114,6 @@ def snapshot(tiers: TierManager, timeout: float = 30.0, tier: str | None = None)
     return tiers.run(_list_chunks(chosen, timeout), "listing the tiers' chunks", {}, timeout=2 * timeout)
 
 
-def copy(tiers: TierManager, keys: Sequence[ChunkKey], dst: str, src: str | None = None) -> int:
-    """``copy_prefix``'s ``held``: how many leading ``keys`` ``dst`` holds afterwards."""
-    return copy_prefix(tiers, keys, dst, src).held
-
-
 def copy_prefix(tiers: TierManager, keys: Sequence[ChunkKey], dst: str, src: str | None = None) -> Outcome:
     """Put the longest prefix of ``keys`` that tier ``src`` holds (None: that any other tier
     holds, the upper one on a tie) into tier ``dst``, and wait until it is there.

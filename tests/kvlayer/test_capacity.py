@@ -72,6 +72,9 @@ def test_a_cgroup_limit_lower_than_the_machine_is_what_counts(one_gib_machine, t
     config = KVLayerConfig.from_dict({"cpu_capacity": "400MiB", "staging_capacity": 0})
     assert capacity.problems(config) == ["cpu_capacity 400.0MiB does not fit in this machine's available memory, "
                                          "384.0MiB (cgroup memory.max); lower cpu_capacity"]
+    (cgroup / "memory.current").write_text(f"{480 * MIB}\n")  # mostly page cache, which the kernel reclaims
+    (cgroup / "memory.stat").write_text(f"anon {96 * MIB}\nfile {384 * MIB}\ninactive_file {352 * MIB}\n")
+    assert capacity.host_available() == capacity.Available(384 * MIB, "cgroup memory.max")
     (cgroup / "memory.max").write_text("max\n")  # no limit: the machine's figure again
     assert capacity.host_available().source == f"MemAvailable in {one_gib_machine}"
 
