@@ -161,17 +161,6 @@ def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams],
     return [r for r in results if r is not None]
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """``sample_each`` without processors' history, raising ``RuntimeError`` for the first row that failed."""
-    tokens = []
-    for r in sample_each(logits, params, generators, [()] * len(params)):
-        if r.token is None:
-            raise RuntimeError(r.error)
-        tokens.append(r.token)
-    return tokens
-
-
 def _processed(row: torch.Tensor, processors: Sequence[LogitsProcessor],
                output_ids: Sequence[int]) -> tuple[torch.Tensor, str | None]:
     """``row`` after ``processors`` as float32 on its device, or the error (one line) they caused."""

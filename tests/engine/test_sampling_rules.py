@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvlayer.engine import LLM, SamplingParams
-from kvlayer.engine.sampling import sample
+from kvlayer.engine.sampling import sample_each
 
 PROMPTS = [{"prompt_token_ids": list(range(start, start + 20))} for start in (40, 140, 300)]
 MAX_TOKENS = 6
@@ -76,7 +76,7 @@ def test_wide_filters_sample_and_a_seed_reproduces(llm, greedy):
 # ----- the filters on hand-made logits --------------------------------------------------------------
 def draws(logits: torch.Tensor, params: SamplingParams, n: int = 400) -> set[int]:
     gen = torch.Generator().manual_seed(0)
-    return {sample(logits[None], [params], [gen])[0] for _ in range(n)}
+    return {sample_each(logits[None], [params], [gen], [()])[0].token for _ in range(n)}
 
 
 def test_top_k_draws_only_the_k_most_likely_tokens():
