@@ -148,10 +148,12 @@ class KVLayerConfig:
     @classmethod
     def load(cls, source: KVLayerConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
              env: Mapping[str, str] | None = None) -> KVLayerConfig:
-        """From a config, a dict or a YAML path (or defaults), then ``KVLAYER_*`` overrides."""
+        """From a dict or a YAML path (or defaults), then ``KVLAYER_*`` overrides. A config object
+        is taken as it is: the variables were applied when it was loaded, and applying them again
+        would undo changes made to it since (``replace``)."""
         if isinstance(source, KVLayerConfig):
-            base = source.to_dict()
-        elif isinstance(source, Mapping):
+            return source
+        if isinstance(source, Mapping):
             base = dict(source)
         elif source is None:
             base = {}

@@ -18,7 +18,6 @@ requests finish, flush kvlayer's writes and exit 0 (serving/listener.py, shared 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -81,24 +80,12 @@ def _kv_config(args: argparse.Namespace, url: str) -> tuple[KVLayerConfig | None
     capacity.check_memory(config, args.device)  # before a model or an arena is allocated
     skipped = places.unusable(config)
     config = places.without(config, skipped)
-    _settle_environment()
     return config, skipped
 
 
 def _served_name(args: argparse.Namespace) -> str:
     """The model name clients send: ``--served-model-name``, else ``--model`` as given."""
     return args.served_model_name or args.model
-
-
-def _settle_environment() -> None:
-    """Drop the ``KVLAYER_*`` variables that are config keys (``KVLAYER_TIERS`` too). The config
-    serve built holds their values already, and the engine loads it again with the variables
-    applied on top, which would undo serve's own changes (a skipped tier's place would come
-    back). Other ``KVLAYER_*`` variables (``KVLAYER_LOG_LEVEL``, ...) stay."""
-    from kvlayer.config import env_overrides
-
-    for name in [n for n in os.environ if env_overrides({n: os.environ[n]})]:
-        del os.environ[name]
 
 
 def _startup_line(name: str, url: str, kv: Any, skipped: Sequence[Unusable]) -> str:

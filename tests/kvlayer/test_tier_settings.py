@@ -93,6 +93,13 @@ def test_in_one_source_the_section_wins_and_a_later_source_wins_whatever_its_spe
     assert cfg.replace(nvme_path="/replaced").nvme_path == "/replaced"
 
 
+def test_a_loaded_config_is_taken_as_it_is_so_a_change_made_to_it_survives_the_variables() -> None:
+    env = {"KVLAYER_NVME_PATH": "/env", "KVLAYER_CPU_CAPACITY": "1GiB"}
+    cfg = KVLayerConfig.load({}, env=env).replace(nvme_path=None)  # e.g. serve leaving an unusable place out
+    again = KVLayerConfig.load(cfg, env=env)
+    assert again is cfg and again.nvme_path is None and again.cpu_capacity == 2**30
+
+
 def test_a_bad_tiers_value_is_one_line() -> None:
     for bad, says in (({"tiers": [1]}, "tiers must be a mapping"), ({"tiers": {"nvme": 3}}, "tiers.nvme must be"),
                       ({"tiers": {"nvme": {"colour": 1}}}, "unknown setting 'colour' of tier 'nvme'"),
