@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvlayer.keys import ChunkKey, Namespace, chunk_keys
+from kvlayer.layout import KVLayout
+from kvlayer.tier_manager import LookupResult
+from kvlayer.windows import find_prefix
 
 Clock = Callable[[], float]
 
@@ -230,13 +233,15 @@ class Registry:
         return len(target) if target is not None else 0
 
     def match(self, entry: Instance, keys: Sequence[ChunkKey]) -> Match:
-        """How many leading ``keys`` ``entry`` holds, in its tiers together and per tier."""
+        """How many tokens of the prefix ``keys`` (chunks of every layer, from token 0) ``entry``
+        could load, in its tiers together and per tier: the engine's own window-aware lookup
+        (``kvlayer.windows.find_prefix``) over the digests the entry holds."""
+        layout = entry.spec.namespace.layout
         sets = [(t, self._holding(entry, t.name) or set()) for t in entry.spec.tiers]
-        per_tier = {t.name: _tokens(keys, _leading(keys, [held])) for t, held in sets}
-        together = _leading(keys, [held for _, held in sets])
-        local = _leading(keys, [held for t, held in sets if not t.shared_id])
-        return Match(entry.instance_id, entry.spec.address, _tokens(keys, together), per_tier, _tokens(keys, local),
-                     entry.spec.role)
+        per_tier = {t.name: _loadable(layout, keys, [held]) for t, held in sets}
+        together = _loadable(layout, keys, [held for _, held in sets])
+        local = _loadable(layout, keys, [held for t, held in sets if not t.shared_id])
+        return Match(entry.instance_id, entry.spec.address, together, per_tier, local, entry.spec.role)
 
     # --- internals ----------------------------------------------------------------------
     def _holding(self, entry: Instance, tier: str) -> set[bytes] | None:
@@ -265,13 +270,29 @@ class Registry:
                     del self._pools[tier.shared_id]
 
 
-def _leading(keys: Sequence[ChunkKey], held: Sequence[set[bytes]]) -> int:
-    """How many leading ``keys`` are in at least one of the ``held`` sets."""
-    n = 0
-    while n < len(keys) and any(keys[n].digest in h for h in held):
-        n += 1
-    return n
+class _Held:
+    """Digest sets as the tiers ``find_prefix`` asks (top first): a lookup answers the leading
+    keys some set holds, each sourced from the first set that holds it."""
+
+    def __init__(self, held: Sequence[set[bytes]]) -> None:
+        self._held = held
+
+    def lookup(self, keys: Sequence[ChunkKey], record: bool = True) -> LookupResult:
+        sources: list[int] = []
+        for key in keys:
+            where = next((i for i, h in enumerate(self._held) if key.digest in h), None)
+            if where is None:
+                break
+            sources.append(where)
+        n = len(sources)
+        return LookupResult(n, keys[n - 1].end if n else 0, {}, tuple(sources))
+
+    def lookup_many(self, requests: Sequence[Sequence[ChunkKey]], record: bool = True) -> list[LookupResult]:
+        return [self.lookup(keys) for keys in requests]
 
 
-def _tokens(keys: Sequence[ChunkKey], n: int) -> int:
-    return keys[n - 1].end if n else 0
+def _loadable(layout: KVLayout, keys: Sequence[ChunkKey], held: Sequence[set[bytes]]) -> int:
+    """The tokens of the prefix ``keys`` a load from the ``held`` sets would give."""
+    if not keys or not any(held):
+        return 0
+    return find_prefix(_Held(held), layout, keys, 0, keys[-1].end).num_tokens  # type: ignore[arg-type]

@@ -80,10 +80,11 @@ def namespace_from_wire(msg: pb.ModelNamespace) -> tuple[Namespace, bool]:
     except ValueError as e:
         raise invalid(f"namespace.dtype: {e}") from None
     check_text(msg.cache_layout, "namespace.cache_layout")
+    windows = _layer_windows(msg)
     # block_size does not enter keys; 1 stands in for the engine's.
     try:
         layout = KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, dtype, 1,
-                          cache_layout=msg.cache_layout or DEFAULT_CACHE_LAYOUT)
+                          cache_layout=msg.cache_layout or DEFAULT_CACHE_LAYOUT, layer_windows=windows)
         ns = Namespace(msg.model_name, msg.model_fingerprint, layout, msg.chunk_size, msg.tp_rank, msg.tp_size,
                        msg.salt, msg.format_version, quantization=msg.storage_quantization or "none")
     except ValueError as e:  # an unknown cache layout or quantization
@@ -100,7 +101,18 @@ def namespace_to_wire(ns: Namespace, save_partial_chunks: bool) -> pb.ModelNames
         chunk_size=ns.chunk_size, tp_rank=ns.tp_rank, tp_size=ns.tp_size, format_version=ns.format_version,
         salt=ns.salt, save_partial_chunks=save_partial_chunks,
         cache_layout="" if lay.cache_layout == DEFAULT_CACHE_LAYOUT else lay.cache_layout,
-        storage_quantization="" if ns.quantization == "none" else ns.quantization)
+        storage_quantization="" if ns.quantization == "none" else ns.quantization,
+        layer_windows=[w or 0 for w in lay.layer_windows] if lay.windowed else [])
+
+
+def _layer_windows(msg: pb.ModelNamespace) -> tuple[int | None, ...]:
+    """The registered per-layer windows (0 on the wire: full attention), checked; ``()`` for none."""
+    windows = list(msg.layer_windows)
+    if windows and len(windows) != msg.num_layers:
+        raise invalid(f"namespace.layer_windows has {len(windows)} entries for {msg.num_layers} layers")
+    if any(w < 0 for w in windows):
+        raise invalid(f"namespace.layer_windows must be >= 0 (0: full attention), got {min(windows)}")
+    return tuple(w or None for w in windows) if any(windows) else ()
 
 
 def spec_from_wire(msg: pb.Register) -> InstanceSpec:
