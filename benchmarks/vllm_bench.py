@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", type=_configs, default=",".join(CONFIGS), help=f"of {','.join(CONFIGS)}")
     p.add_argument("--chunk-size", type=positive_int, default=256, help="kvlayer's chunk (a multiple of 128)")
     p.add_argument("--block-size", type=positive_int, default=128, help="vLLM's block size (CPU: a multiple of 32)")
+    p.add_argument("--itl", action="store_true",
+                   help="instead: decode streams' inter-token latency while a prefix loads, sync vs async "
+                        "(benchmarks/vllm_itl.py; the first of --lengths)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="vLLM's tensor_parallel_size for every configuration (its 'mp' executor; on the CPU build "
                         "each rank gets its own cores unless VLLM_CPU_OMP_THREADS_BIND is set)")
@@ -150,6 +153,10 @@ def main(args: argparse.Namespace) -> int:
     facts = model_facts(model, "cpu")
     if args.chunk_size % args.block_size:
         raise ValueError(f"--chunk-size {args.chunk_size} must be a multiple of --block-size {args.block_size}")
+    if args.itl:
+        from kvlayer.benchmarks import vllm_itl
+
+        return vllm_itl.main(args, model, facts["vocab"])
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvlayer-bench-vllm-", dir=args.home) as folder:
         redis = _redis() if "redis" in args.configs else None

@@ -2,8 +2,10 @@
 
 ``kvlayer cache-server --socket PATH --cpu-capacity SIZE [--config FILE]``. The config file (and
 ``KVLAYER_*`` variables) may give the socket (``cache_server``), the token
-(``cache_server_token``) and the capacity (``cpu_capacity``); the flags win. The server prints
-one line once it listens and stops on SIGTERM or SIGINT, removing its socket and arena file.
+(``cache_server_token``), the capacity (``cpu_capacity``), the per-tenant quota
+(``cache_salt_quota``), the socket's group (``cache_socket_group``) and the metrics port
+(``cache_metrics_port``); the flags win. The server prints one line once it listens and stops
+on SIGTERM or SIGINT, removing its socket and arena file.
 This module imports only argparse at import time, so ``kvlayer --help`` stays fast.
 """
 
@@ -22,7 +24,15 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("cache-server", help="one machine's CPU cache in shared memory, shared by its engine processes")
     s.add_argument("--socket", help="Unix socket to listen on (default: the config's cache_server)")
     s.add_argument("--cpu-capacity", help="bytes of the shared arena, e.g. 8GiB (default: the config's cpu_capacity)")
-    s.add_argument("--config", help="kvlayer YAML config (cache_server, cache_server_token, cpu_capacity)")
+    s.add_argument("--config", help="kvlayer YAML config (cache_server, cache_server_token, cpu_capacity, "
+                                    "cache_salt_quota, cache_socket_group, cache_metrics_port)")
+    s.add_argument("--salt-quota", help="the most one tenant (cache_salt) holds: a size (2GiB) or a fraction "
+                                        "of the arena (0.25); default: no quota")
+    s.add_argument("--socket-group", help="group given the socket and the arena file, which become mode 0660")
+    s.add_argument("--token-file", help="file whose first line is the token clients must present "
+                                        "(default: the config's cache_server_token)")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
     s.add_argument("--stats", action="store_true", help="print the running server's accounting and exit")
     s.set_defaults(func=run)
 
@@ -38,13 +48,25 @@ def run(args: argparse.Namespace) -> int:
     path = args.socket or config.cache_server
     if not path:
         raise ValueError("cache-server needs --socket PATH (or cache_server in the config)")
-    token = config.cache_server_token
+    token = _read_token(args.token_file) if args.token_file else config.cache_server_token
     if args.stats:
         return _print_stats(path, token)
     capacity = parse_size(args.cpu_capacity) if args.cpu_capacity is not None else _capacity(config)
     from kvlayer.cacheserver.server import CacheServer
+    from kvlayer.cacheserver.settings import quota_bytes
 
-    server = CacheServer(path, capacity, token)
+    quota = args.salt_quota or config.cache_salt_quota
+    port = args.metrics_port if args.metrics_port is not None else config.cache_metrics_port
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port must be in 0..65535 (0: off), got {port}")
+    lower = None  # the config's nvme_path / redis_url: the server's own tiers (torch is imported only then)
+    if any(s.enabled for name, s in config.tiers.items() if name in ("nvme", "redis")):
+        from kvlayer.cacheserver.lower import LowerTiers
+
+        lower = LowerTiers.from_config(config)
+    server = CacheServer(path, capacity, token, salt_quota=quota_bytes(quota, capacity) if quota else None,
+                         socket_group=args.socket_group or config.cache_socket_group,
+                         metrics=(args.metrics_host, port) if port else None, lower=lower)
     try:
         asyncio.run(_serve(server, f"kvlayer cache-server: listening on {path} ({format_size(capacity)} "
                                    f"arena {server.arena.path}, epoch {server.arena.epoch:016x})"))
@@ -52,6 +74,15 @@ def run(args: argparse.Namespace) -> int:
         server.close()
         raise
     return 0
+
+
+def _read_token(path: str) -> str:
+    """The first line of ``path``; ``ValueError`` for an empty one (``OSError`` if unreadable)."""
+    with open(path, encoding="utf-8") as f:
+        token = f.readline().strip()
+    if not token:
+        raise ValueError(f"--token-file {path}: empty")
+    return token
 
 
 def _capacity(config: KVLayerConfig) -> int:
@@ -79,14 +110,19 @@ async def _serve(server: object, banner: str) -> None:
 
 
 def _print_stats(path: str, token: str | None) -> int:
+    from kvlayer.cacheserver import protocol as wire
     from kvlayer.cacheserver.sync_client import SyncClient
 
     try:
         with SyncClient(path, token) as client:
             stats = client.stats()
+            quota, tenants = wire.parse_tenants(client.call(wire.Op.TENANTS))
     except OSError as e:
         print(f"kvlayer: error: cache server at {path}: {e}", file=sys.stderr)
         return 2
     for name, value in stats._asdict().items():
         print(f"{name}: {value:016x}" if name == "epoch" else f"{name}: {value}")
+    print(f"salt_quota_bytes: {quota}")
+    for t in tenants:
+        print(f"tenant {t.tenant.hex()}: used_bytes {t.used_bytes}, chunks {t.chunks}, refused {t.refused}")
     return 0

@@ -11,6 +11,12 @@ leases taken for it, or the reservation that was never committed; these releases
 and sent from the loop. A link that fails mid-request (the server died, a deadline cancelled a
 call) is *broken*: it is never used again, and its socket stays open until every object it
 handed out is released, so the server cannot reuse ranges a reader may still be copying from.
+
+Verification: the link records each leased chunk whose bytes this process hashed and found
+right, as ``offset -> (digest, size, checksum)``; a later lease with the same four values is
+not hashed again (docs/cache-server.md, "What is verified"). The record belongs to the link,
+so a new connection (a new server, a new epoch) starts with none. Chunks this link writes are
+not recorded: the writer, too, hashes its first read.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from kvlayer.cacheserver import protocol as wire
 from kvlayer.cacheserver.arena import HEADER, check_header, epoch_of
 from kvlayer.cacheserver.protocol import Op
 from kvlayer.memory import Arena, MemoryObj
+
+MAX_VERIFIED = 1 << 16
+"""The most verified-chunk records a link keeps (about 5 MiB of them)."""
 
 
 class MappedArena(Arena):
@@ -78,6 +87,7 @@ class Link:
         self._held: dict[int, _Held] = {}
         self._pending: list[bytes] = []
         self._flushing = False
+        self._verified: dict[int, tuple[bytes, int, int]] = {}  # offset -> (digest, size, checksum)
 
     @classmethod
     async def open(cls, path: str, token: str | None) -> Link:
@@ -119,6 +129,23 @@ class Link:
         """Whether ``[offset, offset + size)`` is inside the data region, aligned to ``align``."""
         w = self.welcome
         return w.data_offset <= offset and offset + size <= w.arena_bytes and offset % align == 0 and size > 0
+
+    # --- verified chunks ----------------------------------------------------------------
+    def is_verified(self, offset: int, digest: bytes, size: int, checksum: int) -> bool:
+        """Whether this link already hashed ``digest`` at ``offset`` and found this size and
+        checksum. Loop thread only, as are ``verified`` and ``forget``."""
+        return self._verified.get(offset) == (digest, size, checksum)
+
+    def verified(self, offset: int, digest: bytes, size: int, checksum: int) -> None:
+        """Record that the bytes at ``offset`` hashed to ``checksum`` (at most ``MAX_VERIFIED``
+        records: past that the record starts over, and chunks are hashed again)."""
+        if len(self._verified) >= MAX_VERIFIED:
+            self._verified.clear()
+        self._verified[offset] = (digest, size, checksum)
+
+    def forget(self, offset: int) -> None:
+        """Drop the record at ``offset``: the server granted it to a new reservation."""
+        self._verified.pop(offset, None)
 
     # --- objects and claims -------------------------------------------------------------
     def hand_out(self, offset: int, digest: bytes, shape: tuple[int, ...], dtype: torch.dtype,

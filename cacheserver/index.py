@@ -11,6 +11,11 @@ Eviction (a reservation that finds no free range): committed, unleased chunks in
 used order until a range fits; never a chunk of the batch being reserved. A batch is touched in
 reverse order, so its first key (the head of a prefix chain) is the most recent and its tail
 goes first.
+
+Quotas (``quota`` bytes per tenant, the tag of a chunk's ``cache_salt``; the empty salt's is a
+tenant too): a reservation that would take its tenant past the quota evicts that tenant's own
+least recent unleased chunks first; if they do not make room, it is refused (FULL). Another
+tenant's chunks are evicted only for a tenant within its quota.
 """
 
 from __future__ import annotations
@@ -19,10 +24,15 @@ import bisect
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from kvlayer.cacheserver.protocol import Key, Lease, Slot, Status
+from kvlayer.cacheserver.protocol import Key, Lease, Reserve, Slot, Status, TenantUsage
 
 ALIGN = 256
 """Every range starts and ends on this many bytes (any dtype's view of a range is aligned)."""
+
+
+def _aligned(size: int) -> int:
+    """``size`` rounded up to ``ALIGN`` (the bytes ``FreeList`` gives a range of ``size``)."""
+    return -(-size // ALIGN) * ALIGN
 
 
 class FreeList:
@@ -73,6 +83,7 @@ class Entry:
     offset: int
     size: int
     tokens_digest: bytes
+    tenant: bytes
     checksum: int = 0
     committed: bool = False
     leases: int = 0
@@ -87,14 +98,24 @@ class Session:
 
 
 class ChunkIndex:
-    """The chunks of one arena's data region ``[base, base + size)``."""
+    """The chunks of one arena's data region ``[base, base + size)``; each tenant holds at most
+    ``quota`` bytes (None: no bound; ``ValueError`` unless positive)."""
 
-    def __init__(self, base: int, size: int) -> None:
+    def __init__(self, base: int, size: int, quota: int | None = None) -> None:
+        if quota is not None and quota <= 0:
+            raise ValueError(f"salt_quota must be positive, got {quota}")
+        self.quota = quota
         self._space = FreeList(base, size)
         self._entries: dict[bytes, Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed chunks, least recent first
         self.evictions = 0
         self.refused = 0
+        self.answers = Counter[str]()
+        """Chunks asked for, by answer: ``lookup_hit``, ``lookup_miss`` (the keys after the held
+        prefix), ``lease_hit``, ``lease_miss``."""
+        self._tenant_bytes = Counter[bytes]()
+        self._tenant_chunks = Counter[bytes]()
+        self._tenant_refused = Counter[bytes]()
 
     @property
     def capacity(self) -> int:
@@ -111,6 +132,13 @@ class ChunkIndex:
         committed = len(self._lru)
         return committed, len(self._entries) - committed, sum(e.leases for e in self._entries.values())
 
+    def tenants(self) -> list[TenantUsage]:
+        """Every tenant that holds a range or was refused one, most bytes first (the sum of their
+        ``used_bytes`` is ``used``)."""
+        names = set(self._tenant_bytes) | set(self._tenant_refused)
+        out = [TenantUsage(t, self._tenant_bytes[t], self._tenant_chunks[t], self._tenant_refused[t]) for t in names]
+        return sorted(out, key=lambda u: (-u.used_bytes, u.tenant))
+
     def lookup(self, keys: list[Key]) -> int:
         """How many leading ``keys`` are committed with their tokens digest."""
         n = 0
@@ -119,26 +147,33 @@ class ChunkIndex:
                 break
             n += 1
         self._touch(keys[:n])
+        self.answers["lookup_hit"] += n
+        self.answers["lookup_miss"] += len(keys) - n
         return n
 
-    def reserve(self, session: Session, items: list[tuple[Key, int]]) -> list[Slot]:
-        """A range per item (sizes between 1 and the capacity, else ``ValueError``), or PRESENT for a
-        chunk held or being stored, or FULL from the first item no eviction makes room for."""
-        for _, size in items:
-            if not 0 < size <= self.capacity:
-                raise ValueError(f"size {size} outside 1..{self.capacity}")
-        protect = {key.digest for key, _ in items}
+    def reserve(self, session: Session, items: list[Reserve] | list[tuple[Key, int]]) -> list[Slot]:
+        """A range per item (sizes between 1 and the capacity, else ``ValueError``; a bare
+        ``(key, size)`` is of the default tenant), or PRESENT for a chunk held or being stored, or
+        FULL from the first item that no eviction allowed (capacity, or its tenant's quota) makes
+        room for."""
+        batch = [Reserve(*item) for item in items]
+        for item in batch:
+            if not 0 < item.size <= self.capacity:
+                raise ValueError(f"size {item.size} outside 1..{self.capacity}")
+        protect = {item.key.digest for item in batch}
         out: list[Slot] = []
-        for key, size in items:
+        for key, size, tenant in batch:
             if out and out[-1].status is Status.FULL:
                 out.append(Slot(Status.FULL, 0))
             elif key.digest in self._entries:
                 out.append(Slot(Status.PRESENT, 0))
-            elif (offset := self._allocate(size, protect)) is None:
+            elif (offset := self._allocate(size, protect, tenant)) is None:
                 self.refused += 1
+                self._tenant_refused[tenant] += 1
                 out.append(Slot(Status.FULL, 0))
             else:
-                self._entries[key.digest] = Entry(offset, size, key.tokens_digest)
+                self._entries[key.digest] = Entry(offset, size, key.tokens_digest, tenant)
+                self._tenant_bytes[tenant] += _aligned(size)
                 session.reserved.add(key.digest)
                 out.append(Slot(Status.OK, offset))
         return out
@@ -154,6 +189,7 @@ class ChunkIndex:
                 session.reserved.discard(digest)
                 entry = self._entries[digest]
                 entry.checksum, entry.committed = checksum, True
+                self._tenant_chunks[entry.tenant] += 1
                 entry.leases += 1
                 session.leases[digest] += 1
                 self._lru[digest] = None
@@ -171,7 +207,10 @@ class ChunkIndex:
             entry.leases += 1
             session.leases[key.digest] += 1
             out.append(Lease(Status.OK, entry.offset, entry.size, entry.checksum))
-        self._touch([k for k, x in zip(keys, out) if x.status is Status.OK])
+        found = [k for k, x in zip(keys, out) if x.status is Status.OK]
+        self._touch(found)
+        self.answers["lease_hit"] += len(found)
+        self.answers["lease_miss"] += len(keys) - len(found)
         return out
 
     def release(self, session: Session, digests: list[bytes]) -> int:
@@ -220,16 +259,45 @@ class ChunkIndex:
         for key in reversed(keys):
             self._lru.move_to_end(key.digest)
 
-    def _allocate(self, size: int, protect: set[bytes]) -> int | None:
-        while (offset := self._space.allocate(size)) is None:
-            victim = next((d for d in self._lru if d not in protect and self._entries[d].leases == 0), None)
+    def _allocate(self, size: int, protect: set[bytes], tenant: bytes) -> int | None:
+        """A range for ``tenant``, evicting: its own chunks while it is over its quota, then any."""
+        need = _aligned(size)
+        while True:
+            over = self.quota is not None and self._tenant_bytes[tenant] + need > self.quota
+            if not over and (offset := self._space.allocate(size)) is not None:
+                return offset
+            victim = next((d for d in self._lru if d not in protect and self._entries[d].leases == 0
+                           and (not over or self._entries[d].tenant == tenant)), None)
             if victim is None:
                 return None
             self._drop(victim)
             self.evictions += 1
-        return offset
 
     def _drop(self, digest: bytes) -> None:
         entry = self._entries.pop(digest)
         self._lru.pop(digest, None)
         self._space.free(entry.offset, entry.size)
+        self._tenant_bytes[entry.tenant] -= _aligned(entry.size)
+        if not self._tenant_bytes[entry.tenant]:
+            del self._tenant_bytes[entry.tenant]
+        if entry.committed:
+            self._tenant_chunks[entry.tenant] -= 1
+            if not self._tenant_chunks[entry.tenant]:
+                del self._tenant_chunks[entry.tenant]
+
+    # --- the server's own claims (its lower tiers, cacheserver/lower.py) -------------------
+    def hold(self, digests: list[bytes]) -> list[tuple[bytes, Entry]]:
+        """Keep each committed digest from eviction and removal (one lease of no session each,
+        undone by ``unhold``) while the server writes it to its lower tiers; the held entries."""
+        out = []
+        for digest in digests:
+            entry = self._entries.get(digest)
+            if entry is not None and entry.committed:
+                entry.leases += 1
+                out.append((digest, entry))
+        return out
+
+    def unhold(self, held: list[tuple[bytes, Entry]]) -> None:
+        """Undo the ``hold`` that returned ``held``."""
+        for _, entry in held:
+            entry.leases -= 1

@@ -11,14 +11,17 @@ at most ``MAX_ITEMS``):
 - ``HELLO``   ``4s magic, u16 version, u16 token length, token`` ->
               ``u16 version, u64 epoch, u64 arena bytes, u64 data offset, u16 path length, path``
 - ``LOOKUP``  ``n, n x key`` -> ``u32 leading keys held``
-- ``RESERVE`` ``n, n x (key, u64 size)`` -> ``n, n x (u8 status, u64 offset)``
+- ``RESERVE`` ``n, n x (key, u64 size, 8s tenant)`` -> ``n, n x (u8 status, u64 offset)``
 - ``COMMIT``  ``n, n x (digest, u64 checksum)`` -> ``u32 committed``
 - ``LEASE``   ``n, n x key`` -> ``n, n x (u8 status, u64 offset, u64 size, u64 checksum)``
 - ``RELEASE`` ``n, n x digest`` -> ``u32 released`` (a lease, or a reservation not committed)
 - ``REMOVE``  ``n, n x digest`` -> ``u32 removed``
 - ``STATS``   empty -> ``Stats`` as ``len(Stats._fields)`` x ``u64``
+- ``TENANTS`` empty -> ``u64 quota bytes (0: none), n, n x (8s tenant, u64 used bytes, u64 chunks, u64 refused)``
 - ``ERROR``   ``u16 code, message (UTF-8)``
 
+A tenant is the ``TENANT_BYTES`` tag of a chunk's ``cache_salt`` (``kvlayer.keys.tenant_tag``),
+never the salt; the server bounds each tenant's bytes by its ``salt_quota``.
 Offsets are byte offsets in the arena file; the checksum is xxh3-64 of the chunk's bytes.
 Decoders raise ``ProtocolError`` for any body that is not exactly what its op allows.
 """
@@ -29,16 +32,21 @@ import enum
 import struct
 from typing import NamedTuple
 
-VERSION = 1
+VERSION = 2
+"""2: ``RESERVE`` items carry their tenant; ``TENANTS``."""
 MAGIC = b"KVCS"
 FRAME = struct.Struct("<BBHI")
 DIGEST_BYTES = 32
 TOKENS_BYTES = 16
 KEY_BYTES = DIGEST_BYTES + TOKENS_BYTES
+TENANT_BYTES = 8
+"""``kvlayer.keys.TENANT_BYTES`` (not imported: the server imports no engine module)."""
+DEFAULT_TENANT = bytes(TENANT_BYTES)
+"""The tenant of the empty salt."""
 MAX_ITEMS = 8192
 """The most keys one frame carries (a client splits longer batches)."""
 MAX_TOKEN = 1024
-MAX_BODY = 4 + MAX_ITEMS * (KEY_BYTES + 8)
+MAX_BODY = 4 + MAX_ITEMS * (KEY_BYTES + 8 + TENANT_BYTES)
 """The largest body either side reads; a longer one is a protocol error."""
 
 _COUNT = struct.Struct("<I")
@@ -48,6 +56,8 @@ _SIZE = struct.Struct("<Q")
 _SLOT = struct.Struct("<BQ")
 _LEASE = struct.Struct("<BQQQ")
 _ERROR = struct.Struct("<H")
+_RESERVE = struct.Struct(f"<Q{TENANT_BYTES}s")
+_TENANT = struct.Struct(f"<{TENANT_BYTES}sQQQ")
 
 
 class Op(enum.IntEnum):
@@ -61,6 +71,7 @@ class Op(enum.IntEnum):
     RELEASE = 6
     REMOVE = 7
     STATS = 8
+    TENANTS = 9
     ERROR = 255
 
 
@@ -104,6 +115,14 @@ class Key(NamedTuple):
         return self.digest + self.tokens_digest
 
 
+class Reserve(NamedTuple):
+    """One item of a ``RESERVE`` request: a chunk of ``size`` bytes of tenant ``tenant``."""
+
+    key: Key
+    size: int
+    tenant: bytes = DEFAULT_TENANT
+
+
 class Welcome(NamedTuple):
     """The server's answer to ``HELLO``: where its arena is and which epoch it carries."""
 
@@ -145,6 +164,15 @@ class Stats(NamedTuple):
 
 
 _STATS = struct.Struct(f"<{len(Stats._fields)}Q")
+
+
+class TenantUsage(NamedTuple):
+    """One tenant's share of the arena: bytes of its ranges, its committed chunks, its refused reservations."""
+
+    tenant: bytes
+    used_bytes: int
+    chunks: int
+    refused: int
 
 
 def frame(op: Op, body: bytes = b"") -> bytes:
@@ -192,9 +220,16 @@ def digests(items: list[bytes]) -> bytes:
     return _COUNT.pack(len(items)) + b"".join(items)
 
 
-def reserve(items: list[tuple[Key, int]]) -> bytes:
-    """The body of ``RESERVE``: each key with its chunk's size in bytes."""
-    return _COUNT.pack(len(items)) + b"".join(k.pack() + _SIZE.pack(size) for k, size in items)
+def reserve(items: list[Reserve] | list[tuple[Key, int]]) -> bytes:
+    """The body of ``RESERVE``: each key with its chunk's size in bytes and its tenant (a bare
+    ``(key, size)`` is of ``DEFAULT_TENANT``); ``ValueError`` for a tenant not of ``TENANT_BYTES``."""
+    out = [_COUNT.pack(len(items))]
+    for item in items:
+        r = Reserve(*item)
+        if len(r.tenant) != TENANT_BYTES:
+            raise ValueError(f"a tenant tag is {TENANT_BYTES} bytes, got {len(r.tenant)}")
+        out.append(r.key.pack() + _RESERVE.pack(r.size, r.tenant))
+    return b"".join(out)
 
 
 def commit(items: list[tuple[bytes, int]]) -> bytes:
@@ -222,10 +257,10 @@ def parse_digests(body: bytes) -> list[bytes]:
     return _records(body, DIGEST_BYTES)
 
 
-def parse_reserve(body: bytes) -> list[tuple[Key, int]]:
-    """The (key, size) items of a ``RESERVE`` body (sizes are checked by the index)."""
-    return [(Key(r[:DIGEST_BYTES], r[DIGEST_BYTES:KEY_BYTES]), _SIZE.unpack_from(r, KEY_BYTES)[0])
-            for r in _records(body, KEY_BYTES + 8)]
+def parse_reserve(body: bytes) -> list[Reserve]:
+    """The items of a ``RESERVE`` body (sizes are checked by the index)."""
+    return [Reserve(Key(r[:DIGEST_BYTES], r[DIGEST_BYTES:KEY_BYTES]), *_RESERVE.unpack_from(r, KEY_BYTES))
+            for r in _records(body, KEY_BYTES + _RESERVE.size)]
 
 
 def parse_commit(body: bytes) -> list[tuple[bytes, int]]:
@@ -305,6 +340,19 @@ def parse_stats(body: bytes) -> Stats:
     if len(body) != _STATS.size:
         raise ProtocolError("malformed stats")
     return Stats(*_STATS.unpack(body))
+
+
+def tenants(quota: int, items: list[TenantUsage]) -> bytes:
+    """The body of the reply to ``TENANTS``: the quota (0: none), then each tenant's usage."""
+    return _SIZE.pack(quota) + _COUNT.pack(len(items)) + b"".join(_TENANT.pack(*t) for t in items)
+
+
+def parse_tenants(body: bytes) -> tuple[int, list[TenantUsage]]:
+    """The reply to ``TENANTS``: (quota bytes, 0 for none; the tenants)."""
+    if len(body) < _SIZE.size:
+        raise ProtocolError("malformed tenants")
+    return _SIZE.unpack_from(body)[0], [TenantUsage(*_TENANT.unpack(r))
+                                        for r in _records(body[_SIZE.size:], _TENANT.size)]
 
 
 def error(code: ErrorCode, message: str) -> bytes:

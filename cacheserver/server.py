@@ -4,7 +4,9 @@ One asyncio loop serves every connection; each is a ``Session`` of the ``ChunkIn
 (its leases and reservations given back) when the connection closes for any reason. Every
 count, size and digest a client sends is checked here or in the index: a frame that breaks the
 format (``kvlayer.cacheserver.protocol``) gets an ``ERROR`` reply and closes that connection
-only. The socket is created mode 0600; with a token, ``HELLO`` must carry it.
+only. The socket is created mode 0600 (0660 and the group's, with ``socket_group``, as is the
+arena file); with a token, ``HELLO`` must carry it. Each tenant (a chunk's salt tag) holds at
+most ``salt_quota`` bytes (``ChunkIndex``); ``metrics`` serves the accounting for Prometheus.
 
 Run it with ``kvlayer cache-server`` (``kvlayer.cacheserver.cli``).
 """
@@ -13,41 +15,72 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import hmac
 import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from kvlayer.cacheserver import protocol as wire
 from kvlayer.cacheserver.arena import ArenaFile
 from kvlayer.cacheserver.index import ChunkIndex, Session
 from kvlayer.cacheserver.protocol import ErrorCode, Op, ProtocolError
 
+if TYPE_CHECKING:
+    from kvlayer.cacheserver.lower import LowerTiers
+    from kvlayer.cacheserver.metrics import MetricsEndpoint
+
 log = logging.getLogger(__name__)
 
-Handler = Callable[["CacheServer", Session, bytes], bytes]
+Handler = Callable[["CacheServer", Session, bytes], bytes | Awaitable[bytes]]
 
 
 class CacheServer:
-    """Serves the arena of ``capacity`` bytes on ``socket_path``; ``token`` (if set) is required."""
+    """Serves the arena of ``capacity`` bytes on ``socket_path``; ``token`` (if set) is required.
 
-    def __init__(self, socket_path: str, capacity: int, token: str | None = None) -> None:
-        """Claims the socket path (``ValueError`` if a server answers there) before it creates
+    ``salt_quota``: the most bytes one tenant holds (None: no bound). ``socket_group``: the group
+    given the socket and the arena file (mode 0660). ``metrics``: ``(host, port)`` of a
+    Prometheus ``/metrics`` endpoint, bound by ``start``.
+    """
+
+    def __init__(self, socket_path: str, capacity: int, token: str | None = None, *,
+                 salt_quota: int | None = None, socket_group: str | None = None,
+                 metrics: tuple[str, int] | None = None, lower: LowerTiers | None = None) -> None:
+        """Checks its settings (``ValueError``: a size out of range, a group that does not exist)
+        and claims the socket path (``ValueError`` if a server answers there) before it creates
         the arena file, since that removes the files earlier servers of this socket left."""
         if capacity <= 0:
             raise ValueError(f"cpu_capacity must be positive, got {capacity}")
         self.socket_path = socket_path
         self.token = (token or "").encode()
+        if salt_quota is not None and salt_quota <= 0:
+            raise ValueError(f"salt_quota must be positive, got {salt_quota}")
+        self._gid = _group_id(socket_group) if socket_group else None
         _claim(socket_path)
         self.arena = ArenaFile.create(socket_path, capacity)
-        self.index = ChunkIndex(self.arena.data_offset, capacity)
+        self.index = ChunkIndex(self.arena.data_offset, capacity, salt_quota)
         self.connections = 0
+        self.accepted = 0
+        self.refusals: Counter[str] = Counter()
+        """Connections closed with an ``ERROR``, by ``ErrorCode`` name in lower case (``bad_token``)."""
         self._server: asyncio.base_events.Server | None = None
+        self._metrics: MetricsEndpoint | None = None
+        if metrics is not None:
+            from kvlayer.cacheserver.metrics import MetricsEndpoint
+
+            self._metrics = MetricsEndpoint(self, *metrics)
+        self.lower = lower
+        """The server's own NVMe/Redis tiers below the arena (``cacheserver/lower.py``), or None."""
+        if lower is not None:
+            lower.attach(self.arena.path, self.arena.size)
 
     async def start(self) -> None:
-        """Bind the socket (mode 0600)."""
+        """Bind the socket (mode 0600, or 0660 of ``socket_group``), then the metrics endpoint
+        (``ValueError`` if its port cannot be bound)."""
         old = os.umask(0o177)
         try:
             self._server = await asyncio.start_unix_server(self._serve, path=self.socket_path,
@@ -55,16 +88,26 @@ class CacheServer:
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)
+        if self._gid is not None:  # clients of another user in the group map the arena too
+            for path in (self.socket_path, self.arena.path):
+                os.chown(path, -1, self._gid)
+                os.chmod(path, 0o660)
+        if self._metrics is not None:
+            await self._metrics.start()
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         """Serve until ``stop`` is set, then close the socket and remove it and the arena file."""
         try:
             await stop.wait()
         finally:
+            if self.lower is not None:
+                await self.lower.close()  # the writes under way end first
             self.close()
 
     def close(self) -> None:
         """Stop listening; remove the socket (if this server bound it) and the arena file."""
+        if self._metrics is not None:
+            self._metrics.close()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -82,6 +125,7 @@ class CacheServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session()
         self.connections += 1
+        self.accepted += 1
         try:
             await self._greet(reader, writer)
             while True:
@@ -91,12 +135,15 @@ class CacheServer:
                     raise ProtocolError(f"unexpected op {op}")
                 try:
                     reply = handler(self, session, body)
+                    if not isinstance(reply, bytes):  # it waits on the lower tiers
+                        reply = await reply
                 except ValueError as e:  # a value the index refuses (a size out of range)
                     raise ProtocolError(str(e)) from None
                 writer.write(wire.frame(Op(op), reply))
                 await writer.drain()
         except ProtocolError as e:
             log.warning("cache-server: closing a connection: %s", e)
+            self.refusals[e.code.name.lower()] += 1
             with contextlib.suppress(ConnectionError):
                 writer.write(wire.frame(Op.ERROR, wire.error(e.code, str(e))))
                 await writer.drain()
@@ -130,6 +177,14 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return op, await reader.readexactly(length)
 
 
+def _group_id(name: str) -> int:
+    """The id of group ``name``; ``ValueError`` (one line) if there is none."""
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(f"--socket-group {name}: no such group") from None
+
+
 def _claim(path: str) -> None:
     """Make ``path`` free for a new socket: remove a stale socket nobody answers on;
     ``ValueError`` if a server answers there or it is something other than a socket."""
@@ -151,8 +206,16 @@ def _claim(path: str) -> None:
 
 
 # --- the ops (registry: op -> handler) -------------------------------------------------------
-def _lookup(server: CacheServer, session: Session, body: bytes) -> bytes:
-    return wire.count(server.index.lookup(wire.parse_keys(body)))
+def _lookup(server: CacheServer, session: Session, body: bytes) -> bytes | Awaitable[bytes]:
+    keys = wire.parse_keys(body)
+    n = server.index.lookup(keys)
+    if server.lower is None or n == len(keys):
+        return wire.count(n)
+    return _count_lower(server.lower, n, keys[n:])
+
+
+async def _count_lower(lower: LowerTiers, n: int, rest: list[wire.Key]) -> bytes:
+    return wire.count(n + await lower.count(rest))
 
 
 def _reserve(server: CacheServer, session: Session, body: bytes) -> bytes:
@@ -160,11 +223,25 @@ def _reserve(server: CacheServer, session: Session, body: bytes) -> bytes:
 
 
 def _commit(server: CacheServer, session: Session, body: bytes) -> bytes:
-    return wire.count(server.index.commit(session, wire.parse_commit(body)))
+    items = wire.parse_commit(body)
+    fresh = [d for d, _ in items if d in session.reserved]
+    n = server.index.commit(session, items)
+    if server.lower is not None:
+        server.lower.write_through(server.index, fresh)
+    return wire.count(n)
 
 
-def _lease(server: CacheServer, session: Session, body: bytes) -> bytes:
-    return wire.leases(server.index.lease(session, wire.parse_keys(body)))
+def _lease(server: CacheServer, session: Session, body: bytes) -> bytes | Awaitable[bytes]:
+    keys = wire.parse_keys(body)
+    leases = server.index.lease(session, keys)
+    if server.lower is None or all(x.status is not wire.Status.MISSING for x in leases):
+        return wire.leases(leases)
+    return _promote(server.lower, server.index, session, keys, leases)
+
+
+async def _promote(lower: LowerTiers, index: ChunkIndex, session: Session, keys: list[wire.Key],
+                   leases: list[wire.Lease]) -> bytes:
+    return wire.leases(await lower.promote(index, session, keys, leases))
 
 
 def _release(server: CacheServer, session: Session, body: bytes) -> bytes:
@@ -180,5 +257,10 @@ def _stats(server: CacheServer, session: Session, body: bytes) -> bytes:
     return wire.stats(server.stats())
 
 
+def _tenants(server: CacheServer, session: Session, body: bytes) -> bytes:
+    wire.parse_empty(body)
+    return wire.tenants(server.index.quota or 0, server.index.tenants()[:wire.MAX_ITEMS])
+
+
 HANDLERS: dict[int, Handler] = {Op.LOOKUP: _lookup, Op.RESERVE: _reserve, Op.COMMIT: _commit, Op.LEASE: _lease,
-                                Op.RELEASE: _release, Op.REMOVE: _remove, Op.STATS: _stats}
+                                Op.RELEASE: _release, Op.REMOVE: _remove, Op.STATS: _stats, Op.TENANTS: _tenants}

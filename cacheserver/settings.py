@@ -4,6 +4,8 @@ Light on purpose (it imports only ``kvlayer.tier_settings``): every config loads
 as ``cache_server`` / ``cache_server_token`` (``KVLAYER_CACHE_SERVER``), or in the section
 ``tiers: {cache: {server: PATH}}``; docs/configuration.md lists them. With a server set, the
 process keeps no CPU tier of its own (``cpu_capacity`` defaults to 0) unless the config sets one.
+The server's own settings (``cache_salt_quota``, ``cache_socket_group``, ``cache_metrics_port``)
+live here too; clients ignore them.
 """
 
 from __future__ import annotations
@@ -11,18 +13,47 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvlayer.sizes import parse_size
 from kvlayer.tier_settings import Setting, TierSettings
+
+
+def quota_bytes(value: str, capacity: int) -> int:
+    """A ``salt_quota`` in bytes: a fraction in (0, 1] of ``capacity`` ("0.25") or a size ("2GiB",
+    more than 0); ``ValueError`` naming ``cache_salt_quota`` otherwise."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = None
+    if fraction is not None and "." in value:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"cache_salt_quota must be a fraction in (0, 1] or a size, got {value!r}")
+        return max(1, int(fraction * capacity))
+    try:
+        size = parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"cache_salt_quota: {e}") from None
+    if size <= 0:
+        raise ValueError(f"cache_salt_quota must be more than 0 bytes, got {value!r}")
+    return size
 
 
 def _check(section: Mapping[str, Any]) -> None:
     server = section["server"]
     if server is not None and len(server.encode()) > 107:
         raise ValueError(f"cache_server must be a Unix socket path of at most 107 bytes, got {server!r}")
+    if section["salt_quota"] is not None:
+        quota_bytes(section["salt_quota"], 1)
+    if not 0 <= section["metrics_port"] <= 65535:
+        raise ValueError(f"cache_metrics_port must be in 0..65535 (0: off), got {section['metrics_port']}")
 
 
 CACHE = TierSettings(
     (Setting("server", "str | None", None, "Unix socket of a kvlayer cache-server whose shared CPU tier this "
                                            "process uses; unset = off"),
-     Setting("server_token", "str | None", None, "token presented to the cache server on connect")),
+     Setting("server_token", "str | None", None, "token presented to the cache server on connect"),
+     Setting("salt_quota", "str | None", None, "server: the most one tenant (cache_salt) holds, a size "
+                                               "(\"2GiB\") or a fraction of the arena (\"0.25\"); unset = none"),
+     Setting("socket_group", "str | None", None, "server: group of the socket and arena file, then mode 0660"),
+     Setting("metrics_port", "int", 0, "server: port of its Prometheus /metrics (0: off)")),
     enabled=lambda s: s["server"] is not None, check=_check,
     replaces=("cpu", "capacity", 0))  # the server's arena is this process's CPU tier: no private one beside it

@@ -8,8 +8,9 @@ chunk it hands out is a view of the server's shared arena (``kvlayer.cacheserver
   copy, engine -> arena). A chunk from elsewhere (staging, a lower tier) is copied into a fresh
   range first.
 - ``get_many`` takes a lease per hit and answers the arena's own bytes (one copy, arena ->
-  engine, by the caller), each first checked against its epoch and xxh3 checksum; releasing the
-  object gives the lease back.
+  engine, by the caller), each checked against its epoch, and against its xxh3 checksum the
+  first time this link reads that commit (``Link.is_verified``); releasing the object gives the
+  lease back.
 
 Failures: a server that is down, dies or refuses is an exception for the tier guard
 (``kvlayer.tier_guard``): a miss, a counter, and the core's health backoff before the next try,
@@ -60,7 +61,7 @@ class CacheServerBackend(StorageBackend):
         self._connecting = asyncio.Lock()
         self._server = wire.Stats(0, 0, 0, 0, 0, 0, 0, 0, 0)
         self._stats_at = 0.0
-        self._counts = {"checksum_errors": 0, "bad_leases": 0, "skipped_full": 0, "connects": 0}
+        self._counts = {"checksum_errors": 0, "bad_leases": 0, "skipped_full": 0, "connects": 0, "verified": 0}
 
     @classmethod
     def create(cls, ctx: BackendContext) -> CacheServerBackend | None:
@@ -110,11 +111,14 @@ class CacheServerBackend(StorageBackend):
                             lease.size, lease.offset, nbytes)
             link.release_later([key.digest])
             return None
-        if xxhash.xxh3_64_intdigest(link.view[lease.offset:lease.offset + nbytes]) != lease.checksum:
-            self._counts["checksum_errors"] += 1
-            self._log_fault("checksum", "chunk %s fails its checksum", key.hex[:16])
-            link.release_later([key.digest])
-            return None
+        if not link.is_verified(lease.offset, key.digest, nbytes, lease.checksum):
+            if self._checksum(link, lease.offset, nbytes) != lease.checksum:
+                self._counts["checksum_errors"] += 1
+                self._log_fault("checksum", "chunk %s fails its checksum", key.hex[:16])
+                link.release_later([key.digest])
+                return None
+            link.verified(lease.offset, key.digest, nbytes, lease.checksum)
+            self._counts["verified"] += 1
         return link.hand_out(lease.offset, key.digest, shape, self._layout.dtype, lease=True)
 
     # --- writes -------------------------------------------------------------------------
@@ -177,7 +181,7 @@ class CacheServerBackend(StorageBackend):
     async def _reserve(self, link: Link, keys: Sequence[ChunkKey], hand_out: bool) -> list:
         """Reserve ``keys``: per key an object (``hand_out``) or the bare offset, None where refused."""
         sizes = [_nbytes(self._layout.chunk_shape(k.num_tokens, len(k.layers)), self._layout.dtype) for k in keys]
-        body = wire.reserve([(_wire_key(k), n) for k, n in zip(keys, sizes)])
+        body = wire.reserve([wire.Reserve(_wire_key(k), n, k.tenant) for k, n in zip(keys, sizes)])
         slots = wire.parse_slots(await link.call(Op.RESERVE, body))
         if len(slots) != len(keys):
             link.broken()
@@ -191,11 +195,11 @@ class CacheServerBackend(StorageBackend):
             elif not link.in_data(slot.offset, size, 16):
                 bad.append(key.digest)
                 out.append(None)
-            elif hand_out:
-                shape = self._layout.chunk_shape(key.num_tokens, len(key.layers))
-                out.append(link.hand_out(slot.offset, key.digest, shape, self._layout.dtype, lease=False))
             else:
-                out.append(slot.offset)
+                link.forget(slot.offset)  # whatever was verified there is gone
+                shape = self._layout.chunk_shape(key.num_tokens, len(key.layers))
+                out.append(link.hand_out(slot.offset, key.digest, shape, self._layout.dtype, lease=False)
+                           if hand_out else slot.offset)
         if bad:
             self._counts["bad_leases"] += len(bad)
             link.release_later(bad)
@@ -220,8 +224,9 @@ class CacheServerBackend(StorageBackend):
         return self._server.used_bytes, self._server.capacity_bytes
 
     def stats(self) -> dict[str, int]:
-        """This client's counters (checksum_errors, bad_leases, skipped_full, connects, held: live
-        objects of this process) and the server's accounting as of its last answer (server_*)."""
+        """This client's counters (checksum_errors, bad_leases, skipped_full, connects, verified:
+        leases hashed, held: live objects of this process) and the server's accounting as of its
+        last answer (server_*)."""
         link = self._link
         server = {f"server_{k}": v for k, v in self._server._asdict().items() if k != "epoch"}
         return {**self._counts, "held": link.holding if link is not None else 0, **server}

@@ -65,17 +65,17 @@ def model_identity(model: str, revision: str | None) -> tuple[str, str]:
 
 
 def cache_layout(cache: torch.Tensor, num_kv_heads: int, head_size: int, block_size: int,
-                 dtype: torch.dtype, num_layers: int) -> KVLayout:
-    """The ``KVLayout`` of vLLM layer caches shaped like ``cache``; ``ValueError`` naming the
-    shape for a layout kvlayer does not know."""
+                 dtype: torch.dtype, num_layers: int, layer_windows: tuple[int | None, ...] = ()) -> KVLayout:
+    """The ``KVLayout`` of vLLM layer caches shaped like ``cache``, with ``layer_windows``
+    (``KVLayout.layer_windows``); ``ValueError`` naming the shape for a layout kvlayer does not know."""
     shape = tuple(cache.shape)
     if len(shape) == 5 and shape[0] == 2 and shape[2:] == (block_size, num_kv_heads, head_size):
-        return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size, DEFAULT_CACHE_LAYOUT)
+        return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size, DEFAULT_CACHE_LAYOUT, layer_windows)
     if len(shape) == 3 and shape[1:] == (block_size, head_size) and num_kv_heads == 1:
-        return KVLayout(num_layers, 1, head_size, dtype, block_size, LATENT_CACHE_LAYOUT)
+        return KVLayout(num_layers, 1, head_size, dtype, block_size, LATENT_CACHE_LAYOUT, layer_windows)
     if len(shape) == 4 and shape[1:] == (num_kv_heads, block_size, 2 * head_size) and cache.device.type == "cpu":
         tag = f"vllm-cpu-{_cpu_isa(dtype, block_size, head_size)}-{platform.machine()}"
-        return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size, BLOCKS + tag)
+        return KVLayout(num_layers, num_kv_heads, head_size, dtype, block_size, BLOCKS + tag, layer_windows)
     raise ValueError(f"kvlayer does not know vLLM's KV cache layout {shape} on {cache.device} "
                      f"({num_kv_heads} kv heads, head size {head_size}, block size {block_size})")
 

@@ -27,11 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
 from kvlayer.connectors.lookup_channel import LookupClient, socket_path
+from kvlayer.connectors.vllm_groups import kv_cache_groups
 from kvlayer.connectors.vllm_scheduler import RankedLookups, SchedulerSide
 from kvlayer.connectors.vllm_setup import (
     cache_layout,
@@ -137,7 +139,7 @@ def _events_on(vllm_config: Any) -> bool:
     return bool(events is not None and events.enable_kv_cache_events)
 
 
-class KVLayerConnectorV1(KVConnectorBase_V1):
+class KVLayerConnectorV1(KVConnectorBase_V1, SupportsHMA):
     """kvlayer's vLLM connector; ``vllm_config.kv_transfer_config.kv_connector_extra_config``
     holds kvlayer's config keys (``kvlayer.connectors.vllm_setup.kvlayer_config``). A bad key
     or value stops vLLM's start-up with kvlayer's one-line ``ConfigError``."""
@@ -148,6 +150,8 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         self._config = with_served_name(kvlayer_config(transfer.kv_connector_extra_config), vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         check_block_size(self._config, self._block_size)
+        self._groups = kv_cache_groups(kv_cache_config, self._block_size)
+        """vLLM's KV-cache groups (several under its hybrid manager; docs/vllm.md, "Hybrid models")."""
         parallel = vllm_config.parallel_config
         self._tp = int(parallel.tensor_parallel_size)
         pp = int(getattr(parallel, "pipeline_parallel_size", 1))
@@ -170,7 +174,8 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy = "recompute"
             timeout = self._config.tier_timeout_ms / 1000
             self._clients = [LookupClient(socket_path(self._engine_id, r), timeout) for r in range(self._tp)]
-            self._scheduler = SchedulerSide(self._config, RankedLookups(self._clients), self._block_size)
+            self._scheduler = SchedulerSide(self._config, RankedLookups(self._clients), self._block_size,
+                                            self._groups)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -188,8 +193,14 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         names = sorted(kv_caches, key=extract_layer_index)
         first = kv_caches[names[0]]
         model = self._vllm_config.model_config
+        groups = self._groups
+        if groups is not None and len(groups.layer_groups) != len(names):
+            raise ValueError(f"vLLM's KV-cache groups name {len(groups.layer_groups)} layers, its caches {len(names)}")
+        # each layer's window, for the window-aware tiers (only under vLLM's hybrid manager:
+        # without it every layer's blocks hold every token, and kvlayer stores them all)
+        windows = groups.layer_windows if groups is not None and self._config.window_aware else ()
         layout = cache_layout(first, model.get_num_kv_heads(self._vllm_config.parallel_config),
-                              model.get_head_size(), self._block_size, first.dtype, len(names))
+                              model.get_head_size(), self._block_size, first.dtype, len(names), windows)
         name, fingerprint = model_identity(str(model.model), getattr(model, "revision", None))
         rank = _tp_rank(self._tp)
         engine = {"model_name": name, "model_fingerprint": fingerprint, "device": str(first.device),
@@ -221,9 +232,14 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
             self._worker.finish()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is not None:
-            self._worker.forget(finished_req_ids)
-        return None, None
+        """No saves are held (``request_finished`` answers False); the async loads done since the
+        last call, each reported once, also for a request finished while its load ran (vLLM keeps
+        its blocks until then). Each rank reports its own; vLLM waits for every rank's."""
+        if self._worker is None:
+            return None, None
+        done = self._worker.finished_loads(finished_req_ids)
+        self._worker.forget(finished_req_ids)
+        return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()
@@ -257,12 +273,16 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
 
     # ----- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """kvlayer's hit after vLLM's own ``num_computed_tokens``, and whether it loads
+        asynchronously (``async_loads``: a chunk from NVMe or Redis; ``SchedulerSide.loads_async``)."""
         assert self._scheduler is not None
-        return self._scheduler.matched(request, num_computed_tokens), False
+        hit = self._scheduler.matched(request, num_computed_tokens)
+        return hit, hit > 0 and self._scheduler.loads_async(request.request_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+        ids = blocks.get_block_ids()  # one list per KV-cache group
+        self._scheduler.allocated(request, ids[0], num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -288,6 +308,11 @@ class KVLayerConnectorV1(KVConnectorBase_V1):
         level = logging.DEBUG if self.events_lost else logging.WARNING
         self.events_lost += 1
         log.log(level, "kvlayer: %s the KV-cache events failed; they are dropped", doing, exc_info=True)
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``'s ``request_finished``, with each KV-cache group's blocks: as there."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:

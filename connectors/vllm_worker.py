@@ -6,13 +6,17 @@ vLLM's metadata (a ``StepSpec``) to ``KVCacheEngine.start_step`` and translates 
 names into layer indices; a failed load is reported as vLLM block ids (``load_errors``), which
 vLLM recomputes. Nothing here raises into vLLM after start-up. With ``events`` on, it listens
 to its tiers (``kvlayer.tier_events.TierEvents``) for vLLM's KV-cache events (``take_events``).
+A step's ``async_loads`` (vLLM's ``load_kv_async``) run whole on a thread of their own
+(``AsyncLoads``) while the steps go on; ``finished_loads`` reports those done.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -22,13 +26,16 @@ from kvlayer.config import KVLayerConfig
 from kvlayer.connectors.controller_link import link_controller
 from kvlayer.connectors.lookup_channel import Answer, LookupServer, Query
 from kvlayer.layout import KVLayout
-from kvlayer.step import StepSpec, StepTransfer
+from kvlayer.step import LoadSpec, StepContext, StepCounts, StepSpec, StepTransfer, slots_of
 from kvlayer.tier_events import TierEvent, TierEvents
 
 log = logging.getLogger(__name__)
 
-STAT_NAMES = ("lookups", "lookup_hit_tokens", "loaded_tokens", "failed_load_tokens", "saved_chunks")
+STAT_NAMES = ("lookups", "lookup_hit_tokens", "loaded_tokens", "failed_load_tokens", "saved_chunks", "async_loads")
 """What the worker counts for vLLM's connector stats (``KVLayerConnectorV1.get_kv_connector_stats``)."""
+
+LoadResult = tuple[set[int], StepCounts]
+"""An async load's outcome: the vLLM blocks it left without valid KV, and what it moved."""
 
 
 class WorkerSide:
@@ -48,6 +55,9 @@ class WorkerSide:
         self._meta = StepSpec()
         self._step: StepTransfer | None = None
         self._errors: set[int] = set()
+        self._async = AsyncLoads()
+        self._async_errors: set[int] = set()  # failed async loads' blocks, until load_errors
+        self._dropped: set[str] = set()  # finished while their async load ran: forget once it ends
         self._counts = {name: 0 for name in STAT_NAMES}  # since the last take_stats
         self.totals = {name: 0 for name in STAT_NAMES}
         """The same counts since start-up."""
@@ -73,8 +83,12 @@ class WorkerSide:
 
     # --- one step -----------------------------------------------------------------------------
     def bind(self, meta: StepSpec) -> None:
-        """The step's metadata, before its forward pass."""
+        """The step's metadata, before its forward pass; its async loads start at once."""
         self._meta, self._step = meta, None
+        if meta.async_loads:
+            ctx = self.kv._step_context()  # made here: the engine's loader is created on this thread
+            for load in meta.async_loads:
+                self._async.start(load.request_id, functools.partial(self._load_whole, ctx, load))
 
     def start_load(self) -> None:
         """Start the step's loads and prepare its saves (once per step; the first of vLLM's
@@ -114,8 +128,45 @@ class WorkerSide:
                     saved_chunks=counts.saved_chunks)
 
     def load_errors(self) -> set[int]:
-        """The vLLM blocks of this step's loads that hold no valid KV (vLLM recomputes them)."""
-        return set(self._errors)
+        """The vLLM blocks of this step's loads, and of the async loads ``finished_loads`` reported
+        since the last call, that hold no valid KV (vLLM recomputes them)."""
+        errors, self._async_errors = self._errors | self._async_errors, set()
+        return errors
+
+    # --- asynchronous loads ---------------------------------------------------------------------
+    def _load_whole(self, ctx: StepContext, load: LoadSpec) -> LoadResult:
+        """``load`` read whole into its blocks (on ``AsyncLoads``' thread): the blocks left
+        without valid KV, and what moved. Its scatter runs on this thread alone."""
+        try:
+            slots = {load.request_id: slots_of(self.layout, load.block_ids, load.end, self.device, load.groups)}
+            # a whole transfer (given slots): read and scattered here, nothing on the loader thread
+            step = StepTransfer(ctx, StepSpec(loads=(load,)), self._views, slots)
+            step.finish()
+            return step.failed_blocks(), step.counts
+        except Exception:  # a bug below costs a recompute of the whole load, never vLLM
+            log.exception("kvlayer: the async load of %s failed; it is recomputed", load.request_id)
+            bs = self.layout.block_size
+            return set(load.block_ids[load.start // bs :]), StepCounts(wanted_tokens=load.end - load.start)
+
+    def finished_loads(self, finished: set[str]) -> set[str]:
+        """The async loads done since the last call (their blocks written or reported failed in
+        the next ``load_errors``). ``finished``: requests vLLM finished or aborted; a load of
+        theirs not started yet is dropped (reported done, nothing written), one running is
+        waited for, as vLLM keeps its blocks until it is reported."""
+        self._dropped |= finished & self._async.pending()
+        done = self._async.cancel(finished)
+        for rid, (failed, counts) in self._async.take_done().items():
+            done.add(rid)
+            self._async_errors |= failed
+            self._count(loaded_tokens=counts.loaded_tokens, async_loads=1,
+                        failed_load_tokens=counts.wanted_tokens - counts.loaded_tokens)
+            if self.events is not None:
+                for keys, token_ids, first in counts.moved:
+                    self.events.remember(keys, token_ids, first)
+        if ended := done & self._dropped:  # the load's own key lookups kept their keys again
+            self._dropped -= ended
+            self.kv.forget(ended)
+        return done
 
     def take_stats(self) -> dict[str, int]:
         """The counts (``STAT_NAMES``) since the last call, for vLLM's connector stats; {} if none."""
@@ -139,9 +190,45 @@ class WorkerSide:
         self.kv.forget(request_ids)
 
     def close(self) -> None:
+        self._async.close()
         self._server.close()
         if self._agent is not None:
             self._agent.close()
         if self.events is not None:  # closing the tiers drops every chunk: nobody takes those events
             self.kv.listen(None)
         self.kv.close()
+
+
+class AsyncLoads:
+    """Async loads, run one at a time on a thread of their own (never the loader thread the
+    steps' layer-by-layer loads use), keyed by request id. Call from one thread."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-async-load")
+        self._jobs: dict[str, Future[LoadResult]] = {}
+
+    def start(self, request_id: str, load: Callable[[], LoadResult]) -> None:
+        """Queue ``load``, the load of ``request_id`` (a request has at most one at a time)."""
+        self._jobs[request_id] = self._pool.submit(load)
+
+    def pending(self) -> set[str]:
+        """The requests whose load is not reported yet."""
+        return set(self._jobs)
+
+    def cancel(self, request_ids: set[str]) -> set[str]:
+        """Cancel the loads of ``request_ids`` not started yet; those cancelled (now forgotten)."""
+        out = {rid for rid in request_ids & set(self._jobs) if self._jobs[rid].cancel()}
+        for rid in out:
+            del self._jobs[rid]
+        return out
+
+    def take_done(self) -> dict[str, LoadResult]:
+        """The outcomes of the loads that ended since the last call, by request id."""
+        done = {rid: job for rid, job in self._jobs.items() if job.done()}
+        for rid in done:
+            del self._jobs[rid]
+        return {rid: job.result() for rid, job in done.items()}
+
+    def close(self) -> None:
+        """Wait for the loads running and drop those not started."""
+        self._pool.shutdown(wait=True, cancel_futures=True)

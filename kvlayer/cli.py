@@ -147,8 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(bench, "vllm", "vllm_bench", "TTFT inside vLLM: its own caches vs kvlayer's tiers", home)
     _add_bench(bench, "cache-server", "cache_server_bench", "the node cache server vs an in-process CPU tier, "
                                                            "and across an engine restart", home)
+    _add_bench(bench, "cache-server-mrqa", "cache_server_mrqa", "multi-round QA over 2 engines: one shared cache "
+                                                                 "server vs a private CPU tier each", home)
     _add_bench(bench, "fleet", "fleet_bench", "a fleet through the router: KV-aware routing vs round-robin/random, P/D",
                home)
+    _add_bench(bench, "peer", "peer_lmcache", "kvlayer vs LMCache 0.5.6 side by side (builds its own venv)", home)
     __import__("kvlayer.serving.cli", fromlist=["add_command"]).add_command(sub)  # serve
     __import__("kvlayer.router.cli", fromlist=["add_command"]).add_command(sub)  # router
     __import__("kvlayer.controller.cli", fromlist=["add_commands"]).add_commands(sub)  # controller, admin

@@ -58,6 +58,9 @@ class KVLayerConfig:
     it, and store a hybrid's window groups apart (``kvlayer.windows``); off: full KV, as for any model."""
     layerwise: str = "on"
     """``auto``, ``on`` or ``off`` (booleans mean on/off): see ``LAYERWISE``."""
+    async_loads: bool = True
+    """vLLM's connector: a hit read from a tier below memory (NVMe, Redis) loads in the background
+    (vLLM's ``load_kv_async``) while the other requests keep decoding; off: every load in the step."""
     staging_capacity: int = 512 * 1024**2
     tier_timeout_ms: int = 2000
     unhealthy_after: int = 3

@@ -23,6 +23,18 @@ FORMAT_VERSION = 1
 
 KEY_BYTES = 32
 TOKENS_DIGEST_BYTES = 16
+TENANT_BYTES = 8
+DEFAULT_TENANT = bytes(TENANT_BYTES)
+"""The tenant tag of the empty salt (``tenant_tag("")``)."""
+
+
+def tenant_tag(salt: str) -> bytes:
+    """The ``TENANT_BYTES`` tag of ``cache_salt`` ``salt`` that a cache server accounts quotas by:
+    a personalised blake2b of it (the salt itself never leaves the process); the empty salt's
+    tag is ``DEFAULT_TENANT``."""
+    if not salt:
+        return DEFAULT_TENANT
+    return hashlib.blake2b(salt.encode(), digest_size=TENANT_BYTES, person=b"kvlayer.tenant").digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +108,8 @@ class ChunkKey:
     start: int
     end: int
     layers: tuple[int, ...] = ()
+    tenant: bytes = dataclasses.field(default=DEFAULT_TENANT, compare=False)
+    """``tenant_tag`` of the namespace's salt (a cache server's quotas); not part of equality."""
 
     @property
     def hex(self) -> str:
@@ -129,6 +143,7 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int], include_partial: 
             break
         keys.append(k)
     prev = keys[-1].digest if keys else namespace.root()
+    tenant = tenant_tag(namespace.salt)
     data = tokens_bytes(token_ids)
     start = len(keys) * size
     while start < n:
@@ -138,7 +153,7 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int], include_partial: 
         tok = data[start * 4 : end * 4]
         digest = hashlib.blake2b(prev + tok, digest_size=KEY_BYTES).digest()
         keys.append(ChunkKey(digest, hashlib.blake2b(tok, digest_size=TOKENS_DIGEST_BYTES).digest(),
-                             start, end))
+                             start, end, tenant=tenant))
         prev = digest
         start = end
     return keys
@@ -153,4 +168,4 @@ def group_key(key: ChunkKey, group: WindowGroup, num_layers: int) -> ChunkKey:
         return key
     tag = b"kvlayer.layers\0" + key.digest + struct.pack(f"<{len(group.layers)}H", *group.layers)
     return ChunkKey(hashlib.blake2b(tag, digest_size=KEY_BYTES).digest(), key.tokens_digest, key.start, key.end,
-                    group.layers)
+                    group.layers, key.tenant)

@@ -91,7 +91,9 @@ class KVLayout:
     """Each layer's sliding window (None: full attention), or ``()`` when no layer slides. A
     windowed layout is *window-aware* in the tiers: a hit loads a window layer's KV only for the
     tokens it can still attend to, and a layout whose layers keep different spans (a hybrid)
-    stores each ``window_groups`` member as a chunk object of its own (``kvlayer.windows``)."""
+    stores each ``window_groups`` member as a chunk object of its own (``kvlayer.windows``). Opaque
+    blocks allow windows too: the window-aware selection works on whole chunks, and chunks are
+    whole engine blocks."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -107,8 +109,6 @@ class KVLayout:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
         if any(w is not None and (not isinstance(w, int) or w <= 0) for w in self.layer_windows):
             raise ValueError(f"layer windows must be positive ints or None, got {self.layer_windows}")
-        if self.layer_windows and self.opaque_blocks:
-            raise ValueError("sliding windows need a token-row cache layout, not opaque blocks")
         if self.latent and self.num_kv_heads != 1:
             raise ValueError(f"a latent (MLA) layout has one vector per token: num_kv_heads must be 1, "
                              f"got {self.num_kv_heads}")

@@ -54,7 +54,11 @@ class LoadItem:
     each token ``0..end-1`` (for opaque blocks, ``KVLayout.copy_unit``, the block id of each
     block, with ``start`` and ``end`` on block boundaries). ``whole``: the keys are a window-aware
     selection of chunk objects (``kvlayer.windows.Found``), valid only together, so one that
-    fails leaves the request at ``start``.
+    fails leaves the request at ``start``. ``layer_groups`` (an engine with one block table per
+    group of layers, vLLM's KV-cache groups): each model layer's group, ``slots`` then
+    ``[groups, ...]``, one row of copy rows per group; () for one table. ``held_from``: per group
+    (or the one table), the first token whose block is held: the rows before it are released
+    blocks (vLLM's null block before a sliding window), never written; () for all held.
     """
 
     request_id: str
@@ -64,6 +68,8 @@ class LoadItem:
     start: int
     end: int
     whole: bool = False
+    layer_groups: tuple[int, ...] = ()
+    held_from: tuple[int, ...] = ()
 
     def plan(self) -> ReadPlan:
         """The found chunks holding tokens of ``[start, end)``, in order, with their tiers."""
@@ -74,11 +80,13 @@ class LoadItem:
 @dataclass(frozen=True, slots=True)
 class SaveItem:
     """Store the chunks ``keys`` of one request; ``slots`` (int64, the caches' device) holds the
-    cache slot of each token ``0..keys[-1].end-1`` (or block id of each block, as for ``LoadItem``)."""
+    cache slot of each token ``0..keys[-1].end-1`` (or block id of each block, as for ``LoadItem``;
+    per group with ``layer_groups``, as there)."""
 
     request_id: str
     keys: tuple[ChunkKey, ...]
     slots: torch.Tensor
+    layer_groups: tuple[int, ...] = ()
 
 
 class LoadJob:
@@ -137,8 +145,9 @@ class LoadJob:
             # a load on the caller's thread has the CPU to itself: its scatter may use torch's threads
             pieces = [piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
                       for piece in _pieces(self._staging.layout, item, plan.keys, chunks)]
-            layers = [key.layers for plan, chunks in zip(plans, reads.objs) for key in plan.keys[: len(chunks)]]
-            copies = CopyPlan(pieces, threads=1 if self._beside_compute else torch.get_num_threads(), layers=layers)
+            copies = CopyPlan([(rows, slots) for rows, slots, _ in pieces],
+                              threads=1 if self._beside_compute else torch.get_num_threads(),
+                              layers=[layers for _, _, layers in pieces])
             with _on(self._stream, self._start_event):
                 if self._beside_compute or self._events:  # each layer announced as soon as it is in
                     for layer, cache in enumerate(self._caches):
@@ -183,7 +192,7 @@ class SaveJob:
                  stream: torch.cuda.Stream | None = None, threads: int = 1) -> None:
         self._tiers = tiers
         self._stream = stream
-        self._chunks: list[tuple[str, ChunkKey, MemoryObj, torch.Tensor]] = []
+        self._chunks: list[tuple[str, ChunkKey, MemoryObj, SaveItem]] = []
         held = tiers.lookup_many([item.keys for item in items], record=False) if items else []
         wanted = [(item, key) for item, found in zip(items, held) for key in item.keys[found.num_chunks :]]
         # gathered straight into the top memory tier where it can (its store then copies nothing)
@@ -196,10 +205,13 @@ class SaveJob:
                 if obj is not None:
                     obj.release()
                 continue
-            unit = staging.layout.copy_unit
-            self._chunks.append((item.request_id, key, obj, item.slots[key.start // unit : -(-key.end // unit)]))
-        self._copies = CopyPlan([(staging.layout.chunk_view(obj.tensor), slots) for _, _, obj, slots in self._chunks],
-                                threads=threads, layers=[key.layers for _, key, _, _ in self._chunks])
+            self._chunks.append((item.request_id, key, obj, item))
+        layout = staging.layout
+        pieces = [piece for _, key, obj, item in self._chunks
+                  for piece in _by_group(layout, layout.chunk_view(obj.tensor), key, key.start, key.end, item.slots,
+                                         item.layer_groups, ())]
+        self._copies = CopyPlan([(rows, slots) for rows, slots, _ in pieces], threads=threads,
+                                layers=[layers for _, _, layers in pieces])
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -271,8 +283,11 @@ def loads_layerwise(mode: str, device: torch.device, tiers: TierManager, items: 
     return any(not guarded[s].in_memory for item in items for s in item.sources)
 
 
-def _pieces(layout: KVLayout, item: LoadItem, keys: Sequence[ChunkKey],
-            objs: list[MemoryObj]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+Piece = tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]
+"""A ``CopyPlan`` piece: chunk rows, their copy rows, and the model layers the rows hold (() all)."""
+
+
+def _pieces(layout: KVLayout, item: LoadItem, keys: Sequence[ChunkKey], objs: list[MemoryObj]) -> list[Piece]:
     """Each chunk's rows of tokens ``[item.start, item.end)`` (``layout.chunk_view``) and their slots."""
     out = []
     unit = layout.copy_unit
@@ -281,7 +296,35 @@ def _pieces(layout: KVLayout, item: LoadItem, keys: Sequence[ChunkKey],
         rows = layout.chunk_view(obj.tensor)
         if (lo, hi) != (key.start, key.end):
             rows = rows[:, :, (lo - key.start) // unit : -(-(hi - key.start) // unit)]
-        out.append((rows, item.slots[lo // unit : -(-hi // unit)]))
+        out += _by_group(layout, rows, key, lo, hi, item.slots, item.layer_groups, item.held_from)
+    return out
+
+
+def _by_group(layout: KVLayout, rows: torch.Tensor, key: ChunkKey, lo: int, hi: int, slots: torch.Tensor,
+              layer_groups: Sequence[int], held_from: Sequence[int]) -> list[Piece]:
+    """The pieces copying ``rows`` (chunk ``key``'s rows of tokens ``[lo, hi)``) through ``slots``:
+    one for one block table; with ``layer_groups``, one per run of the chunk's layers in the same
+    group, through that group's copy rows. Rows before a group's ``held_from`` are left out."""
+    unit = layout.copy_unit
+    if not layer_groups:
+        first = max(lo, held_from[0]) if held_from else lo
+        if first >= hi:
+            return []
+        if first == lo:
+            return [(rows, slots[lo // unit : -(-hi // unit)], key.layers)]
+        return [(rows[:, :, (first - lo) // unit :], slots[first // unit : -(-hi // unit)], key.layers)]
+    layers = key.layers or tuple(range(layout.num_layers))
+    out: list[Piece] = []
+    a = 0
+    while a < len(layers):
+        g = layer_groups[layers[a]]
+        b = a + 1
+        while b < len(layers) and layer_groups[layers[b]] == g:
+            b += 1
+        first = max(lo, held_from[g]) if held_from else lo
+        if first < hi:
+            out.append((rows[a:b, :, (first - lo) // unit :], slots[g, first // unit : -(-hi // unit)], layers[a:b]))
+        a = b
     return out
 
 

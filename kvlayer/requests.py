@@ -59,6 +59,8 @@ class _Request:
     num_prompt: int
     salt: str | None
     block_ids: list[int] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
+    """Every group's block table when the engine keeps several (``block_ids`` is the first's)."""
     saved_upto: int = 0
     start: int = 0
     found: Found = Found(0)
@@ -79,11 +81,16 @@ class RequestTracker:
     waiting request's lookup answer is reused when asked again for the same tokens (vLLM asks
     at every step until it admits the request; 0: always ask); ``verify_fraction``: the share of
     requests with a hit whose hit is verified instead of loaded (``KVLayerConfig.verify_fraction``).
+    ``layer_groups``: for an engine with one block table per group of layers (vLLM's hybrid
+    manager), each model layer's group; the block-table calls then take every group's table
+    (``groups``) and the specs carry them (``LoadSpec.groups``). A negative block id is a block
+    a sliding window released (vLLM's null block) in any table.
     """
 
     def __init__(self, lookup: TrackerLookup, policy: SavePolicy, block_size: int, align: int = 1,
-                 reuse_s: float = 0.0, verify_fraction: float = 0.0) -> None:
+                 reuse_s: float = 0.0, verify_fraction: float = 0.0, layer_groups: tuple[int, ...] = ()) -> None:
         self._lookup = lookup
+        self._layer_groups = layer_groups
         self._verify_fraction = verify_fraction
         self._random = random.Random()
         self.policy = policy
@@ -126,14 +133,16 @@ class RequestTracker:
             return 0
         return hit
 
-    def allocated(self, rid: str, block_ids: Sequence[int] | None, num_external: int) -> None:
-        """The engine allocated the request's blocks (its whole table, if given), ``num_external``
-        of its tokens after ``num_computed`` to come from kvlayer."""
+    def allocated(self, rid: str, block_ids: Sequence[int] | None, num_external: int,
+                  groups: Sequence[Sequence[int]] = ()) -> None:
+        """The engine allocated the request's blocks (its whole table, if given; every group's in
+        ``groups`` with ``layer_groups``), ``num_external`` of its tokens after ``num_computed``
+        to come from kvlayer."""
         st = self._reqs.get(rid)
         if st is None:
             return
         if block_ids is not None:
-            st.block_ids = list(block_ids)
+            _set_tables(st, block_ids, groups)
         st.asked = None
         st.complete_from = 0
         if num_external > 0:
@@ -157,24 +166,39 @@ class RequestTracker:
         if block_ids is not None:
             st.block_ids = list(block_ids)
 
-    def set_blocks(self, rid: str, block_ids: Sequence[int]) -> None:
-        """The request's whole block table now (a resumed request's new one)."""
+    def set_blocks(self, rid: str, block_ids: Sequence[int], groups: Sequence[Sequence[int]] = ()) -> None:
+        """The request's whole block table now (a resumed request's new one); every group's in
+        ``groups`` with ``layer_groups`` (``block_ids`` the first's)."""
         st = self._reqs.get(rid)
         if st is not None:
-            st.block_ids = list(block_ids)
+            _set_tables(st, block_ids, groups)
 
-    def add_blocks(self, rid: str, block_ids: Iterable[int]) -> None:
-        """Blocks appended to the request's table."""
+    def add_blocks(self, rid: str, block_ids: Iterable[int], groups: Sequence[Sequence[int]] = ()) -> None:
+        """Blocks appended to the request's table (to each group's, from ``groups``, as for ``set_blocks``)."""
         st = self._reqs.get(rid)
-        if st is not None:
+        if st is None:
+            return
+        if not st.groups:
             st.block_ids.extend(block_ids)
+        for table, added in zip(st.groups, groups):  # block_ids is the first group's table
+            table.extend(added)
+
+    def released(self, rid: str, before: Sequence[int]) -> None:
+        """The engine released the blocks of each table (each group's, or the one) that lie
+        wholly before token ``before[i]`` (a sliding window's); they then read as released."""
+        st = self._reqs.get(rid)
+        if st is None:
+            return
+        for table, upto in zip(st.groups or [st.block_ids], before):
+            for i in range(min(upto // self._block_size, len(table))):
+                table[i] = -1
 
     def preempted(self, rid: str) -> None:
         """The engine took the request's blocks back: its granted load is void (a resumed
         request is looked up again)."""
         st = self._reqs.get(rid)
         if st is not None:
-            st.block_ids, st.load = [], None
+            st.block_ids, st.groups, st.load = [], [], None
 
     # ----- one step -----------------------------------------------------------------------
     def step(self, rid: str, num_computed: int, num_scheduled: int) -> tuple[LoadSpec | None, SaveSpec | None]:
@@ -191,7 +215,7 @@ class RequestTracker:
             st.load = None
             covered = min(len(tokens), -(-end // self.policy.chunk_size) * self.policy.chunk_size)
             load = LoadSpec(rid, st.salt, tuple(tokens[:covered]), tuple(st.block_ids[: self._blocks(end)]), start,
-                            end, st.found.sources)
+                            end, st.found.sources, *self._tables(st, end))
         return load, self._save(rid, st, num_computed + num_scheduled)
 
     def _save(self, rid: str, st: _Request, done: int) -> SaveSpec | None:
@@ -200,7 +224,8 @@ class RequestTracker:
         ends = [e for e in _chunk_ends(min(done, limit), limit, policy) if e > st.saved_upto]
         if not ends:
             return None
-        held = [e for e in ends if self._holds(st.block_ids, e - _chunk_len(e, policy), e)]
+        tables = st.groups or [st.block_ids]
+        held = [e for e in ends if all(self._holds(t, e - _chunk_len(e, policy), e) for t in tables)]
         first = st.saved_upto
         if len(held) < len(ends):
             skipped = len(ends) - len(held)
@@ -216,7 +241,13 @@ class RequestTracker:
             return None
         due = held[-1]
         return SaveSpec(rid, st.salt, tuple(st.token_ids[:due]), tuple(st.block_ids[: self._blocks(due)]), first,
-                        st.verify_upto)
+                        st.verify_upto, *self._tables(st, due))
+
+    def _tables(self, st: _Request, end: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """``(groups, layer_groups)`` of a spec over tokens ``0..end-1``: every group's table, or () for one."""
+        if not self._layer_groups or not st.groups:
+            return (), ()
+        return tuple(tuple(t[: self._blocks(end)]) for t in st.groups), self._layer_groups
 
     def _holds(self, block_ids: Sequence[int], start: int, end: int) -> bool:
         """Whether every block of tokens ``[start, end)`` is allocated and held."""
@@ -245,6 +276,12 @@ class RequestTracker:
     def finished(self, rid: str) -> None:
         """The request finished or was aborted: forget it."""
         self._reqs.pop(rid, None)
+
+
+def _set_tables(st: _Request, block_ids: Sequence[int], groups: Sequence[Sequence[int]]) -> None:
+    """``st``'s block tables now: every group's (``block_ids`` then the first's, kept as one list), or one."""
+    st.groups = [list(g) for g in groups]
+    st.block_ids = st.groups[0] if st.groups else list(block_ids)
 
 
 def _chunk_ends(done: int, limit: int, policy: SavePolicy) -> list[int]:

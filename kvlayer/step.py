@@ -57,6 +57,12 @@ class LoadSpec:
     start: int
     end: int
     sources: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Per group of layers with a block table of its own (vLLM's KV-cache groups under its hybrid
+    manager), that table (``block_ids`` is the first's); a negative id is a released block (vLLM's
+    null block before a sliding window), never read or written. () for one table."""
+    layer_groups: tuple[int, ...] = ()
+    """With ``groups``: each model layer's group (its index in ``groups``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,12 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     first: int
     verify_upto: int = 0
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Per group of layers with a block table of its own (vLLM's KV-cache groups under its hybrid
+    manager), that table (``block_ids`` is the first's); a negative id is a released block (vLLM's
+    null block before a sliding window), never read or written. () for one table."""
+    layer_groups: tuple[int, ...] = ()
+    """With ``groups``: each model layer's group (its index in ``groups``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +92,9 @@ class StepSpec:
 
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
+    async_loads: tuple[LoadSpec, ...] = ()
+    """Loads the engine does not wait for (vLLM's ``load_kv_async``): each runs whole in the
+    background, outside the step, and the worker reports when its blocks are written."""
 
 
 Keys = Callable[[str, Sequence[int], "str | None"], list[ChunkKey]]
@@ -108,12 +123,25 @@ class StepContext:
     """The serialising tiers' ``storage_quantization`` (what verification allows for)."""
 
 
-def slots_of(layout: KVLayout, block_ids: Sequence[int], end: int, device: torch.device) -> torch.Tensor:
+def slots_of(layout: KVLayout, block_ids: Sequence[int], end: int, device: torch.device,
+             groups: Sequence[Sequence[int]] = ()) -> torch.Tensor:
     """The copy rows of tokens ``0..end-1`` in blocks ``block_ids``: block ids for a layout of
-    opaque blocks (``KVLayout.opaque_blocks``), else token slots; int64 on ``device``."""
+    opaque blocks (``KVLayout.opaque_blocks``), else token slots; int64 on ``device``. With
+    ``groups`` (``LoadSpec.groups``), ``[groups, rows]``: each group's rows through its own table."""
+    if groups:
+        return torch.stack([slots_of(layout, g, end, device) for g in groups])
     if layout.opaque_blocks:
         return torch.tensor(list(block_ids[: -(-end // layout.block_size)]), dtype=torch.long, device=device)
     return slot_mapping(block_ids, layout.block_size, 0, end, device)
+
+
+def held_from(block_ids: Sequence[int], block_size: int) -> int:
+    """The first token of ``block_ids`` after its leading released blocks (negative ids, such as
+    those before a sliding window); ``ValueError`` if a released block follows a held one."""
+    first = next((i for i, b in enumerate(block_ids) if b >= 0), len(block_ids))
+    if any(b < 0 for b in block_ids[first:]):
+        raise ValueError(f"a released block after a held one in {list(block_ids)}")
+    return first * block_size
 
 
 @dataclass(slots=True)
@@ -168,12 +196,18 @@ class StepTransfer:
             keys = [k for k in known if s.first < k.end <= len(s.token_ids)]
             if not keys:
                 continue
-            rows = self._rows(s.request_id, s.block_ids, keys[-1].end)
+            if s.groups:  # a chunk's objects whose blocks a window released cannot be saved
+                start = max(self._held(s.groups, keys[-1].end))
+                keys = [k for k in keys if k.start >= start]
+                if not keys:
+                    continue
+            rows = self._rows(s.request_id, s, keys[-1].end)
             self.counts.moved.append((known, s.token_ids, keys[0].start))
             # the held chunks of a sampled hit are compared; the saves skip them (held already)
             if sampled := [k for k in keys if k.start < s.verify_upto]:
                 checks.append(VerifyItem(s.request_id, tuple(save_keys(ctx.layout, sampled)), rows))
-            items.append(SaveItem(s.request_id, tuple(save_keys(ctx.layout, keys)), rows))
+            items.append(SaveItem(s.request_id, tuple(save_keys(ctx.layout, keys)), rows,
+                                  s.layer_groups if s.groups else ()))
         if checks:
             self._verify = Verification(ctx.tiers, ctx.staging, checks, ctx.quantization)
         if not items:
@@ -208,13 +242,22 @@ class StepTransfer:
                 return None
             objs, sources = list(found.keys), found.sources
         self.counts.moved.append((keys, ld.token_ids, next((k.start for k in keys if k.end > ld.start), ld.start)))
-        slots = self._rows(ld.request_id, ld.block_ids, ld.end)
+        slots = self._rows(ld.request_id, ld, ld.end)
+        # a window's released blocks (vLLM's null block) are never written
+        held = self._held(ld.groups or (ld.block_ids,), ld.end) if ld.groups or ctx.layout.windowed else ()
         return LoadItem(ld.request_id, tuple(objs), tuple(sources), slots, ld.start, ld.end,
-                        whole=ctx.layout.windowed)
+                        whole=ctx.layout.windowed, layer_groups=ld.layer_groups if ld.groups else (), held_from=held)
 
-    def _rows(self, rid: str, block_ids: Sequence[int], end: int) -> torch.Tensor:
+    def _rows(self, rid: str, spec: LoadSpec | SaveSpec, end: int) -> torch.Tensor:
         given = self._slots.get(rid)
-        return given if given is not None else slots_of(self._ctx.layout, block_ids, end, self._ctx.device)
+        if given is not None:
+            return given
+        return slots_of(self._ctx.layout, spec.block_ids, end, self._ctx.device, spec.groups)
+
+    def _held(self, tables: Sequence[Sequence[int]], end: int) -> tuple[int, ...]:
+        """Per block table, the first token of tokens ``0..end-1`` whose block is held (``held_from``)."""
+        bs = self._ctx.layout.block_size
+        return tuple(held_from(t[: -(-end // bs)], bs) for t in tables)
 
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` holds what this step loads (or its load failed)."""
@@ -266,5 +309,6 @@ class StepTransfer:
         for ld in self._spec.loads:
             valid = self._failed.get(ld.request_id)
             if valid is not None and valid < ld.end:
-                out.update(ld.block_ids[valid // bs : -(-ld.end // bs)])
+                for table in ld.groups or (ld.block_ids,):
+                    out.update(b for b in table[valid // bs : -(-ld.end // bs)] if b >= 0)
         return out

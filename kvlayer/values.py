@@ -53,8 +53,9 @@ def number(value: Any) -> float:
 
 
 def text(value: Any) -> str:
-    """A string (an int is written out: YAML reads ``prefix: 123`` as one); ``ValueError`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, str | int):
+    """A string (a number is written out: YAML reads ``prefix: 123`` or ``salt_quota: 0.25`` as
+    one); ``ValueError`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ValueError(f"{value!r} (expected str)")
     return str(value)
 

@@ -73,17 +73,25 @@ def find_prefix(tiers: TierManager, layout: KVLayout, keys: Sequence[ChunkKey], 
     holds its first ``start`` tokens already and may load up to ``limit`` tokens (its prompt's
     length minus one); no data moves. A plain prefix lookup for a layout without windows."""
     keys = [k for k in keys if k.start < limit]
+    skip = _first_chunk(keys, start)  # chunks the request holds already: never asked (a chained key
+    # names its whole prefix, so a later chunk's hit stands alone), so their eviction loses nothing
     if not layout.windowed:
-        got = tiers.lookup(keys, record)
-        end = min(got.num_tokens, limit)
-        return Found(end, tuple(keys[: got.num_chunks]), got.sources, start) if end > start else Found(start)
+        got = tiers.lookup(keys[skip:], record)
+        n = skip + got.num_chunks
+        end = min(keys[n - 1].end, limit) if got.num_chunks else 0
+        if end <= start:
+            return Found(start)
+        # the skipped chunks are not read (a load starts at ``start``); they take the first source
+        return Found(end, tuple(keys[:n]), (got.sources[0],) * skip + got.sources, start)
     groups = layout.window_groups
     full = [g for g in groups if g.window is None]
     windows = [g for g in groups if g.window is not None]
     n, full_sources = len(keys), ()
     if full:
-        got = tiers.lookup([group_key(k, full[0], layout.num_layers) for k in keys], record)
-        n, full_sources = got.num_chunks, got.sources
+        got = tiers.lookup([group_key(k, full[0], layout.num_layers) for k in keys[skip:]], record)
+        n, full_sources = skip + got.num_chunks, got.sources
+        if not got.num_chunks:
+            return Found(start)
         record = False
     for _ in range(MAX_ROUNDS):
         end = min(keys[n - 1].end, limit) if n else 0
@@ -97,7 +105,7 @@ def find_prefix(tiers: TierManager, layout: KVLayout, keys: Sequence[ChunkKey], 
         if missing:
             n = min(missing)  # every shorter candidate's window still holds that chunk, up to it
             continue
-        return _found(layout, keys[:n], start, end, full, full_sources, windows, firsts, answers)
+        return _found(layout, keys[:n], start, end, full, (skip, full_sources), windows, firsts, answers)
     return Found(start)
 
 
@@ -131,11 +139,14 @@ def load_objects(layout: KVLayout, keys: Sequence[ChunkKey], start: int, end: in
 
 
 def _found(layout: KVLayout, keys: Sequence[ChunkKey], start: int, end: int, full: list[WindowGroup],
-           full_sources: Sequence[int], windows: list[WindowGroup], firsts: list[int], answers: list) -> Found:
-    """The chunk objects to read, chunk by chunk, for the prefix ``keys`` (``[start, end)`` loaded)."""
+           full_sources: tuple[int, Sequence[int]], windows: list[WindowGroup], firsts: list[int],
+           answers: list) -> Found:
+    """The chunk objects to read, chunk by chunk, for the prefix ``keys`` (``[start, end)`` loaded);
+    ``full_sources``: the first chunk the full group's lookup asked for, and its answer's sources."""
     where: dict[bytes, int] = {}
     if full:
-        where.update((group_key(k, full[0], layout.num_layers).digest, s) for k, s in zip(keys, full_sources))
+        skip, sources = full_sources
+        where.update((group_key(k, full[0], layout.num_layers).digest, s) for k, s in zip(keys[skip:], sources))
     for g, a, r in zip(windows, firsts, answers):
         where.update((group_key(k, g, layout.num_layers).digest, s) for k, s in zip(keys[a:], r.sources))
     objs = load_objects(layout, keys, start, end)

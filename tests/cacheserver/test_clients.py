@@ -143,7 +143,11 @@ def test_the_settings_are_config_keys():
     from kvlayer import ConfigError, KVLayerConfig
 
     config = KVLayerConfig.load({"cache_server": "/run/kv.sock"}, env={"KVLAYER_CACHE_SERVER_TOKEN": "t"})
-    assert config.tiers["cache"] == {"server": "/run/kv.sock", "server_token": "t"}
+    assert config.tiers["cache"] == {"server": "/run/kv.sock", "server_token": "t", "salt_quota": None,
+                                     "socket_group": None, "metrics_port": 0}
+    assert KVLayerConfig.from_dict({"tiers": {"cache": {"salt_quota": 0.25}}}).tiers["cache"]["salt_quota"] == "0.25"
+    with pytest.raises(ConfigError, match="fraction in"):
+        KVLayerConfig(cache_salt_quota="1.5")
     assert KVLayerConfig().tiers["cache"].enabled is False
     with pytest.raises(ConfigError, match="cache_server"):
         KVLayerConfig(cache_server="/" + "x" * 200)

@@ -91,3 +91,28 @@ def test_vllms_worker_answers_and_loads_the_same(tier: dict[str, Any], tmp_path)
         assert written(dst, src, slots[direct.all_layers_from:], 3) == 384 - direct.all_layers_from
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("windows", [(), (None, 40, None, 40)], ids=["full", "hybrid"])
+def test_chunks_the_request_holds_are_never_asked_for(windows, tmp_path) -> None:
+    """A request that holds its first tokens (the engine's own prefix cache) loads the rest even
+    when kvlayer lost those first chunks: a chained key names its whole prefix."""
+    import dataclasses
+
+    layout = dataclasses.replace(LAYOUT, layer_windows=windows)
+    src, slots = caches(), torch.arange(len(PROMPT))
+    with KVCacheEngine({"chunk_size": CHUNK, "cpu_capacity": "64MiB"}, layout, model_name="held") as kv:
+        kv.store(PROMPT, src, slots)
+        assert kv.flush(10)
+        from kvlayer.windows import save_keys
+
+        first = save_keys(layout, kv.keys(PROMPT)[:3])
+        assert kv.remove(first) == len(first)
+        assert kv.lookup(PROMPT).num_tokens == 0
+        found = kv.lookup(PROMPT, start=96)
+        assert found.num_tokens == 384 and len(found.keys) == len(found.sources)
+        dst = caches(fill=False)
+        assert kv.retrieve(PROMPT, dst, slots, start=96) == 384
+        assert written(dst, src, slots[96:], 0) == 384 - 96
+        assert not dst[0].view(2, -1, 2, 8)[:, slots[:96]].any(), "the held tokens are not written"
+        assert kv.lookup(PROMPT, start=100).num_tokens == 384, "a start inside a chunk asks from that chunk"

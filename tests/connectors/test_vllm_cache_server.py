@@ -3,6 +3,11 @@ server's shared CPU tier (the ``cache`` tier) instead of a CPU tier of its own, 
 started after another one exited hits, on its very first requests, the chunks the first stored
 in CPU memory, with vLLM's own greedy tokens. One server process, three vLLM engines (the
 reference without kvlayer, the one that stores, the one that hits).
+
+Then the same at ``tensor_parallel_size`` 2 (vLLM's "mp" executor, one core per rank): both
+ranks of a pair of engines are clients of the same server. The first engine computes every
+token itself (nothing to load: its keys carry TP size 2), so its tokens are vLLM's own at TP=2;
+the restarted one hits the server's CPU tier on its first requests on both ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ if importlib.util.find_spec("vllm") is None:
 
 pytestmark = pytest.mark.timeout(900)
 CHUNK = 64
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 
 def prompts() -> list[list[int]]:
@@ -56,8 +62,12 @@ def server() -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def runs(work, server) -> dict[str, Any]:
-    llama = str(init_model("small", work / "llama", architecture="llama"))
+def llama(work) -> str:
+    return str(init_model("small", work / "llama", architecture="llama"))  # 4 KV heads: 2 per rank at TP=2
+
+
+@pytest.fixture(scope="module")
+def runs(work, server, llama) -> dict[str, Any]:
     cfg = {"cpu_capacity": 0, "cache_server": server.socket_path, "chunk_size": CHUNK}
     baseline = drive({"model": llama, "kvlayer": None, "rounds": [{"prompts": PROMPTS}]}, work)
     first = drive({"model": llama, "kvlayer": cfg, "rounds": [{"prompts": PROMPTS}]}, work)
@@ -81,3 +91,28 @@ def test_the_chunks_live_in_the_server_not_the_engine(runs) -> None:
     held = runs["held"]  # after the first engine exited
     assert held.chunks == sum(hits(p) // CHUNK for p in PROMPTS) and held.leases == 0 and held.reserved == 0, held
     assert held.used_bytes > 0 and held.connections == 1, "only the stats call itself: the engine's is gone"
+
+
+@pytest.fixture(scope="module")
+def tp2(work, server, llama) -> dict[str, Any]:
+    cfg = {"cpu_capacity": 0, "cache_server": server.socket_path, "chunk_size": CHUNK}
+    spec = {"model": llama, "kvlayer": cfg, "tensor_parallel_size": 2, "rounds": [{"prompts": PROMPTS}]}
+    first = drive(spec, work, env=TP2)
+    second = drive(spec, work, env=TP2)
+    with server.client() as c:
+        held = c.stats()
+    return {"first": first["rounds"][0], "second": second["rounds"][0], "held": held}
+
+
+def test_both_tp_ranks_of_a_restarted_vllm_hit_the_server(tp2) -> None:
+    first, second = tp2["first"], tp2["second"]
+    assert first["cached"] == [0] * len(PROMPTS), "TP=2 keys of their own: the first engine computed all"
+    assert second["tokens"] == first["tokens"], "vLLM's own TP=2 greedy tokens, from the server's chunks"
+    assert second["cached"] == [hits(p) for p in PROMPTS]
+    assert [r["rank"] for r in second["ranks"]] == [0, 1]
+    for r in second["ranks"]:
+        tiers = r["stats"]["tiers"]
+        assert "cpu" not in tiers and tiers["cache"]["hit_tokens"] == sum(map(hits, PROMPTS)), r["rank"]
+        assert tiers["cache"]["backend"]["held"] == 0, f"rank {r['rank']} holds no view after its requests"
+    held = tp2["held"]  # after both engines exited
+    assert held.leases == 0 and held.reserved == 0 and held.connections == 1, held

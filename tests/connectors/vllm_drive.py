@@ -47,3 +47,12 @@ def result(proc: subprocess.Popen[bytes], timeout: float = 600) -> Any:
     lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, f"the vLLM driver failed:\n{err.read_text()[-3000:]}"
     return json.loads(lines[-1])
+
+
+def at_gate(proc: subprocess.Popen[bytes], gate: Path, timeout: float = 300) -> None:
+    """Wait until the driver ``proc`` reached its round with ``"wait_for": gate`` (it wrote
+    ``<gate>.ready``); fails the test if the driver stopped first or ``timeout`` s passed."""
+    deadline = time.monotonic() + timeout
+    while not Path(str(gate) + ".ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the driver stopped before the gate"
+        time.sleep(0.1)

@@ -16,6 +16,8 @@ vLLM's scheduler published during it (``_Published`` where the scheduler is in t
 ``_Subscribed`` to the ZMQ endpoint otherwise): kvlayer's (``events``) and how many were vLLM's
 own (``kvlayer.tier_events``); and, where the worker is in this process, kvlayer's chunk keys of each
 prompt (``keys``, hex) and the digests each tier holds after the round (``held``, hex).
+``hybrid_manager`` (bool) turns vLLM's hybrid KV cache manager on or off (unset: vLLM decides);
+the answer's ``kv_cache_groups`` lists vLLM's KV-cache groups where the scheduler is in this process.
 ``tensor_parallel_size`` > 1 runs that many worker processes (vLLM's "mp" executor); each round
 then has ``ranks``: per rank (in rank order) its stats, keys and held digests as above, asked of
 each worker through vLLM's ``collective_rpc`` and the ``WorkerReport`` extension (plain data).
@@ -165,6 +167,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     if spec.get("blocks"):
         kwargs["num_gpu_blocks_override"] = spec["blocks"]
+    if spec.get("hybrid_manager") is not None:  # None: vLLM decides (off with a connector lacking SupportsHMA)
+        kwargs["disable_hybrid_kv_cache_manager"] = not spec["hybrid_manager"]
     tp = spec.get("tensor_parallel_size", 1)
     if tp > 1:
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp",
@@ -177,7 +181,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                   max_num_seqs=spec.get("max_num_seqs", 64), disable_log_stats=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - the test reads what stopped the start-up
         return {"error": f"{type(e).__name__}: {e}"}
-    out: dict[str, Any] = {"startup_s": time.monotonic() - started, "rounds": []}
+    out: dict[str, Any] = {"startup_s": time.monotonic() - started, "rounds": [], "kv_cache_groups": _groups(llm)}
     published = _published(llm, spec["kv_events"]) if spec.get("kv_events") else None
     for rnd in spec["rounds"]:
         if rnd.get("wait_for"):
@@ -195,6 +199,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             out["rounds"][-1].update(events=events, vllm_events=others, **_keys(rnd["prompts"], salts))
     out["preemptions"] = _preemptions(llm)
     return out
+
+
+def _groups(llm: Any) -> list[dict[str, Any]] | None:
+    """vLLM's KV-cache groups (spec class, sliding window, layer names) where its scheduler is in
+    this process: more than one means vLLM's hybrid KV cache manager is on for a hybrid model."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    if config is None:
+        return None
+    return [{"spec": type(g.kv_cache_spec).__name__, "window": getattr(g.kv_cache_spec, "sliding_window", None),
+             "layers": list(g.layer_names)} for g in config.kv_cache_groups]
 
 
 def _preemptions(llm: Any) -> int:

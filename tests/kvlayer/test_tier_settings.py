@@ -57,7 +57,8 @@ def test_declarations_are_checked() -> None:
 def test_values_parse_as_their_kind() -> None:
     assert parse_value("x", "bool", "Yes") is True and parse_value("x", "float", "0.5") == 0.5
     assert parse_value("x", "str | None", "null") is None and parse_value("x", "size", "2KiB") == 2048
-    for kind, bad in (("bool", "maybe"), ("int", 1.5), ("float", True), ("str", 1.0), ("int", None)):
+    assert parse_value("x", "str", 0.25) == "0.25" and parse_value("x", "str", 123) == "123"  # YAML's numbers
+    for kind, bad in (("bool", "maybe"), ("int", 1.5), ("float", True), ("str", [1.0]), ("str", True), ("int", None)):
         with pytest.raises(ConfigError, match="x"):
             parse_value("x", kind, bad)
 
