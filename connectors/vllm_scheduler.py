@@ -100,6 +100,8 @@ class SchedulerSide:
         # each group's window where one slides: vLLM releases the blocks before it as requests run
         self._windows = groups.group_windows if groups is not None and groups.layer_windows else ()
         self._lower = lower_tiers(config) if config.async_loads else None
+        # vLLM takes a failed load of several KV-cache groups only per request, of an async load
+        self._every_async = groups is not None and groups.num_groups > 1
         self._sources: dict[str, tuple[int, ...]] = {}  # each request's last lookup: the tier of each chunk
         self._starts: dict[str, int] = {}  # vLLM's own computed tokens at the last ``matched``
         self._admitted: dict[str, int] = {}  # async loads allocated, for the next step: request -> start
@@ -123,6 +125,8 @@ class SchedulerSide:
         """Whether the hit ``matched`` last found for ``request_id`` loads asynchronously: with
         ``async_loads`` on, when one of its chunks comes from a tier below memory, or the ranks
         disagreed on the tiers (each worker then looks again, maybe below memory)."""
+        if self._every_async:
+            return True
         sources = self._sources.get(request_id, ())
         return self._lower is not None and (not sources or any(s in self._lower for s in sources))
 

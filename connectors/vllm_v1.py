@@ -8,9 +8,11 @@ vLLM builds one instance per role: the scheduler's in its engine-core process
 (``vllm_scheduler.SchedulerSide``) and one per worker (``vllm_worker.WorkerSide``, which owns
 the tiers). They share only vLLM's per-step metadata (the step layer's ``StepSpec``) and the lookup channel
 (``lookup_channel``). This class translates vLLM's interface (``KVConnectorBase_V1``, as installed)
-into those two and nothing more (docs/architecture.md section 10). Loads are synchronous, layer
-by layer where ``layerwise`` says so; saves copy out within the step, so a finished request's
-blocks are never held (``request_finished`` answers False). With vLLM's KV-cache events on
+into those two and nothing more (docs/architecture.md section 10). A CPU-tier or cache-server hit
+loads within the step, layer by layer where ``layerwise`` says so; an NVMe or Redis hit loads in
+the background (``async_loads``: vLLM's ``load_kv_async``, reported by ``get_finished``); saves copy out
+within the step, so a finished request's blocks are never held (``request_finished`` answers
+False). With vLLM's KV-cache events on
 (``kv_events_config``), the workers report what enters and leaves kvlayer's tiers as vLLM's
 ``BlockStored`` and ``BlockRemoved`` events (``get_kv_connector_kv_cache_events``), which the
 scheduler side hands to vLLM (``take_events``).
@@ -27,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -152,6 +155,7 @@ class KVLayerConnectorV1(KVConnectorBase_V1, SupportsHMA):
         check_block_size(self._config, self._block_size)
         self._groups = kv_cache_groups(kv_cache_config, self._block_size)
         """vLLM's KV-cache groups (several under its hybrid manager; docs/vllm.md, "Hybrid models")."""
+        self._per_request_failures = self._groups is not None and self._groups.num_groups > 1
         parallel = vllm_config.parallel_config
         self._tp = int(parallel.tensor_parallel_size)
         pp = int(getattr(parallel, "pipeline_parallel_size", 1))
@@ -241,8 +245,18 @@ class KVLayerConnectorV1(KVConnectorBase_V1, SupportsHMA):
         self._worker.forget(finished_req_ids)
         return None, done or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s sets, and the requests whose async load failed. With several KV-cache
+        groups vLLM cannot map block ids back to requests, so every load is async there
+        (``SchedulerSide.loads_async``) and a failure is reported per request (vLLM recomputes)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.failed_loads() if self._worker is not None and self._per_request_failures else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        return self._worker.load_errors(with_async=not self._per_request_failures)
 
     def get_kv_connector_stats(self) -> KVLayerStats | None:
         counts = self._worker.take_stats() if self._worker is not None else {}

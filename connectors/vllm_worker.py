@@ -57,6 +57,7 @@ class WorkerSide:
         self._errors: set[int] = set()
         self._async = AsyncLoads()
         self._async_errors: set[int] = set()  # failed async loads' blocks, until load_errors
+        self._failed_ids: set[str] = set()  # async loads reported failed, until failed_loads
         self._dropped: set[str] = set()  # finished while their async load ran: forget once it ends
         self._counts = {name: 0 for name in STAT_NAMES}  # since the last take_stats
         self.totals = {name: 0 for name in STAT_NAMES}
@@ -127,11 +128,18 @@ class WorkerSide:
         self._count(loaded_tokens=counts.loaded_tokens, failed_load_tokens=counts.wanted_tokens - counts.loaded_tokens,
                     saved_chunks=counts.saved_chunks)
 
-    def load_errors(self) -> set[int]:
-        """The vLLM blocks of this step's loads, and of the async loads ``finished_loads`` reported
-        since the last call, that hold no valid KV (vLLM recomputes them)."""
-        errors, self._async_errors = self._errors | self._async_errors, set()
+    def load_errors(self, with_async: bool = True) -> set[int]:
+        """The vLLM blocks of this step's loads, and (``with_async``) of the async loads
+        ``finished_loads`` reported since the last call, that hold no valid KV (vLLM recomputes them)."""
+        errors = self._errors | self._async_errors if with_async else self._errors
+        self._async_errors = set()
         return errors
+
+    def failed_loads(self) -> set[str]:
+        """The requests among those ``finished_loads`` reported since the last call whose load
+        left some block without valid KV (vLLM's ``failed_recving``)."""
+        failed, self._failed_ids = self._failed_ids, set()
+        return failed
 
     # --- asynchronous loads ---------------------------------------------------------------------
     def _load_whole(self, ctx: StepContext, load: LoadSpec) -> LoadResult:
@@ -158,6 +166,8 @@ class WorkerSide:
         for rid, (failed, counts) in self._async.take_done().items():
             done.add(rid)
             self._async_errors |= failed
+            if failed:
+                self._failed_ids.add(rid)
             self._count(loaded_tokens=counts.loaded_tokens, async_loads=1,
                         failed_load_tokens=counts.wanted_tokens - counts.loaded_tokens)
             if self.events is not None:

@@ -220,3 +220,31 @@ def test_a_chunk_whose_window_blocks_vllm_freed_is_not_saved() -> None:
     assert save.first == 8, "chunk [0, 8) is skipped, chunk [8, 16) saved"
     assert save.groups == ((1, 2, 3, 4), (-1, 12, 13, 14))
     assert block_tables([5, 0], ([5, 0], [0, 6])) == ([5, -1], [[5, -1], [-1, 6]])
+
+
+@pytest.fixture(scope="module")
+def corrupted_run(hybrid, work, nvme_run) -> dict[str, Any]:
+    """A new engine on ``nvme_run``'s files with every payload damaged: its first round's loads fail."""
+    from kvlayer.serde import HEADER_SIZE
+
+    assert "error" not in nvme_run, nvme_run.get("error")
+    files = sorted((work / "nvme").rglob("*.kvc"))
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[HEADER_SIZE + 5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    cfg = {"cpu_capacity": 0, "nvme_path": str(work / "nvme"), "nvme_capacity": "256MiB", "chunk_size": CHUNK}
+    return drive(spec(hybrid, cfg, 1, None), work)
+
+
+def test_a_failed_load_on_a_hybrid_is_a_recompute_reported_per_request(alone, corrupted_run) -> None:
+    """vLLM refuses block-level load errors with several KV-cache groups: kvlayer loads every hit
+    asynchronously there and reports a failure per request (``failed_recving``); vLLM recomputes."""
+    assert groups(corrupted_run) == [("FullAttentionSpec", None, 2), ("SlidingWindowSpec", WINDOW, 2)]
+    only, = corrupted_run["rounds"]
+    assert only["tokens"] == alone["rounds"][0]["tokens"], "the engine lives on, with vLLM's own tokens"
+    connector = only["stats"]["connector"]
+    assert connector["failed_load_tokens"] == sum(map(hits, PROMPTS)) and connector["loaded_tokens"] == 0
+    assert connector["async_loads"] == len(PROMPTS)
+    assert only["cached"] == [0] * len(PROMPTS), "recomputed from the start"
