@@ -127,9 +127,9 @@ def _child(spec: dict[str, Any], folder: str) -> dict[str, Any]:
 def main(args: Any, model: str, vocab: int) -> int:
     """``kvlayer bench vllm --itl``: every tier, sync then async, at the first of ``--lengths``,
     on ``model`` (a folder) of ``vocab`` tokens."""
-    from kvlayer.benchmarks.vllm_bench import _redis
+    from kvlayer.benchmarks.redis_local import LocalRedis
 
-    redis = _redis()
+    redis = LocalRedis() if LocalRedis.available() else None
     if redis is None:
         raise ValueError("kvlayer bench vllm --itl needs redis-server")
     length = args.lengths[0]
