@@ -54,21 +54,40 @@ _WIDE = torch.complex128
 """The widest torch dtype: 16 bytes, copied by plain moves (no arithmetic touches the bits)."""
 
 
+_SIZES = {torch.complex128: 16, torch.float64: 8}
+"""The bytes of each element a wide view may use."""
+
+_GRAIN = 32768
+"""torch's parallel grain (``at::internal::GRAIN_SIZE``): an op over more elements runs on its threads."""
+
 _WIDE_MIN_BYTES = 256 << 10
 """The smallest single ``scatter_layer`` worth its 16-byte views: below it (128 tokens of 1 KiB rows)
 their cost exceeds what they save. A ``CopyPlan`` makes them once, so it always uses them."""
 
 
-def _wide(rows: torch.Tensor) -> torch.Tensor | None:
-    """``rows`` ``[..., kv_heads, head_dim]`` with each token row seen as ``row_bytes // 16`` 16-byte
-    elements, ``[..., row_bytes // 16]``; None where a row is not contiguous, a multiple of 16
-    bytes and 16-byte aligned, or another stride is not a multiple of 16 bytes."""
-    if rows.data_ptr() % 16 or rows.stride(-1) != 1 or (rows.shape[-2] != 1 and rows.stride(-2) != rows.shape[-1]):
+def _wide(rows: torch.Tensor, element: torch.dtype = _WIDE) -> torch.Tensor | None:
+    """``rows`` ``[..., kv_heads, head_dim]`` with each token row seen as ``row_bytes // size``
+    elements of ``element`` (16 bytes by default, or 8), ``[..., row_bytes // size]``; None where a
+    row is not contiguous, a multiple of ``size`` bytes and ``size``-aligned, or another stride is
+    not a multiple of ``size`` bytes."""
+    size = _SIZES[element]
+    if rows.data_ptr() % size or rows.stride(-1) != 1 or (rows.shape[-2] != 1 and rows.stride(-2) != rows.shape[-1]):
         return None
     try:  # with the rows contiguous, flatten is a view; view(dtype) refuses the other cases itself
-        return rows.flatten(-2).view(_WIDE)
+        return rows.flatten(-2).view(element)
     except RuntimeError:
         return None
+
+
+def _element(layer_bytes: int, threads: int) -> torch.dtype:
+    """The element a CPU plan scatters a piece's layer of ``layer_bytes`` as: 8 bytes where that
+    lets torch split the copy among its own threads and 16-byte elements would not (a plan that
+    may use ``threads`` > 1), else 16 bytes. torch's own threads are the OpenMP workers that spin
+    after the engine's last parallel op: work handed to them does not compete with them, as the
+    plan's copy threads do (measured in docs/benchmarks.md, "kvlayer against LMCache")."""
+    if threads > 1 and _GRAIN * 8 < layer_bytes <= _GRAIN * 16:
+        return torch.float64
+    return _WIDE
 
 
 def _use_triton(use_triton: bool | None, cache: torch.Tensor) -> bool:
@@ -165,6 +184,7 @@ class CopyPlan:
         self._layers = [dict(zip(ids, torch.unbind(c))) for c, ids in zip(self._chunks, self._ids)]
         self._slots = [slots for _, slots in pieces]
         self._wide: list[dict[int, torch.Tensor] | None] | None = None
+        self._elements = [_element(c.numel() * c.element_size() // max(1, c.shape[0]), threads) for c in self._chunks]
         self._use_triton = use_triton
 
     def scatter_layer(self, layer: int, cache: torch.Tensor) -> None:
@@ -179,16 +199,19 @@ class CopyPlan:
         else:
             self._scatter_wide(layer, cache, dst, range(len(self._slots)))
 
-    def _wide_cache(self, cache: torch.Tensor) -> torch.Tensor | None:
-        """``cache``'s slots as 16-byte elements for the CPU scatter (made with the pieces' own
-        views), else None: off the CPU, with Triton, or where its rows allow no such view."""
+    def _wide_cache(self, cache: torch.Tensor) -> dict[torch.dtype, torch.Tensor] | None:
+        """``cache``'s slots as the elements the pieces' wide views use (``_element``), by element
+        dtype, for the CPU scatter; None off the CPU, with Triton, or where its rows allow no such view."""
         if not cache.is_cpu or _use_triton(self._use_triton, cache):
             return None
         self._wide_layers()
-        return _wide(_flat(cache))
+        flat = _flat(cache)
+        views = {element: _wide(flat, element) for element in set(self._elements)}
+        return None if any(v is None for v in views.values()) else cast(dict[torch.dtype, torch.Tensor], views)
 
-    def _scatter_wide(self, layer: int, cache: torch.Tensor, dst: torch.Tensor, pieces: Iterable[int]) -> None:
-        """Layer ``layer`` of ``pieces`` into ``cache`` (its 16-byte view ``dst``), from this thread."""
+    def _scatter_wide(self, layer: int, cache: torch.Tensor, dst: dict[torch.dtype, torch.Tensor],
+                      pieces: Iterable[int]) -> None:
+        """Layer ``layer`` of ``pieces`` into ``cache`` (its wide views ``dst``), from this thread."""
         wide = self._wide_layers()
         for i in pieces:
             rows = wide[i]
@@ -197,9 +220,10 @@ class CopyPlan:
             if rows is None:
                 scatter_layer(self._layers[i][layer], cache, self._slots[i], self._use_triton)
             else:
-                dst.index_copy_(1, self._slots[i], rows[layer])
+                dst[self._elements[i]].index_copy_(1, self._slots[i], rows[layer])
 
-    def _scatter_share(self, caches: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], pieces: range,
+    def _scatter_share(self, caches: Sequence[torch.Tensor], dsts: Sequence[dict[torch.dtype, torch.Tensor]],
+                       pieces: range,
                        before: Callable[[int], object] | None) -> None:
         """Every layer of ``pieces`` (a worker's share), calling ``before(layer)`` ahead of each."""
         for layer, (cache, dst) in enumerate(zip(caches, dsts)):
@@ -217,10 +241,11 @@ class CopyPlan:
         return _copy_threads(min(self._threads, len(self._chunks)) - 1)
 
     def _wide_layers(self) -> list[dict[int, torch.Tensor] | None]:
-        """Per piece, its layers as 16-byte elements (None off the CPU or where impossible), made once."""
+        """Per piece, its layers as wide elements (``_element``; None off the CPU or where
+        impossible), made once."""
         if self._wide is None:
-            self._wide = [None if not c.is_cpu or (w := _wide(c)) is None else dict(zip(ids, torch.unbind(w)))
-                          for c, ids in zip(self._chunks, self._ids)]
+            self._wide = [None if not c.is_cpu or (w := _wide(c, e)) is None else dict(zip(ids, torch.unbind(w)))
+                          for c, ids, e in zip(self._chunks, self._ids, self._elements)]
         return self._wide
 
     def gather_layer(self, layer: int, cache: torch.Tensor) -> None:
@@ -280,12 +305,15 @@ class CopyPlan:
         dsts = [self._wide_cache(cache) for cache in caches]
         helpers = self._helpers() if all(d is not None for d in dsts) else []
         if not helpers:
-            for layer, cache in enumerate(caches):
+            for layer, (cache, dst) in enumerate(zip(caches, dsts)):
                 if before is not None:
                     before(layer)
-                self.scatter_layer(layer, cache)
+                if dst is None:
+                    self.scatter_layer(layer, cache)
+                else:
+                    self._scatter_wide(layer, cache, dst, range(len(self._slots)))
             return
-        wide = cast(list[torch.Tensor], dsts)
+        wide = cast(list[dict[torch.dtype, torch.Tensor]], dsts)
         _shared(helpers, len(self._slots), lambda share: self._scatter_share(caches, wide, share, before))
 
     def gather(self, caches: Sequence[torch.Tensor]) -> None:
@@ -314,12 +342,10 @@ def _shared(helpers: Sequence[ThreadPoolExecutor], count: int, work: Callable[[r
             future.result()
 
 
-_ONE_THREAD_BYTES = 32768 * 16
-"""The most bytes of one layer of a piece (16-byte elements up to torch's parallel grain, 32768)
-that torch's ``index_copy_`` moves on one thread: a CPU scatter of such pieces shares them among
-``CopyPlan``'s ``threads``. Measured on 2 cores (8 chunks of 256 tokens of the ``bench``
-layout, 48 MiB): 12.0 ms from one thread, 7.7 ms from two, 6.9 ms for one ``index_copy_`` per
-layer of the same slots from a contiguous buffer. Bigger pieces torch splits itself."""
+_ONE_THREAD_BYTES = _GRAIN * 8
+"""The most bytes of one layer of a piece that torch's ``index_copy_`` moves on one thread even as
+8-byte elements (``_element``): a CPU scatter of such pieces shares them among ``CopyPlan``'s
+``threads``; bigger ones torch splits itself (docs/benchmarks.md, "kvlayer against LMCache")."""
 
 _pools: list[ThreadPoolExecutor] = []
 _pools_lock = threading.Lock()

@@ -158,6 +158,32 @@ def test_a_plan_leaves_big_pieces_to_torch_threads() -> None:
     assert transfer.CopyPlan(small[:1], threads=2)._helpers() == [], "one piece: nothing to share"
 
 
+@pytest.mark.parametrize(("tokens", "threads", "element"), [(160, 2, torch.float64), (160, 1, torch.complex128),
+                                                        (272, 2, torch.complex128), (96, 2, torch.complex128)])
+def test_a_plan_moves_mid_sized_pieces_as_8_byte_elements_for_torch_threads(tokens: int, threads: int,
+                                                                            element: torch.dtype) -> None:
+    """A layer of 256-512 KiB (here 2 x ``tokens`` rows of 1 KiB) is one op torch keeps on one thread
+    as 16-byte elements but splits as 8-byte ones: a plan allowed several threads moves it so,
+    without copy threads, to the same bytes. A plan of one thread, or bigger or smaller pieces,
+    keeps 16-byte elements."""
+    blocks = 2 * tokens // BLOCK_SIZE + 4
+    cache_list = [bits(torch.float32, (2, blocks, BLOCK_SIZE, 4, 64), seed=3 + i) for i in range(LAYERS)]
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(5)).tolist()
+    slots = transfer.slot_mapping(table, BLOCK_SIZE, 0, 2 * tokens)
+    chunks = [bits(torch.float32, (LAYERS, 2, tokens, 4, 64), seed=20 + i) for i in range(2)]
+    pieces = [(chunks[0], slots[:tokens]), (chunks[1], slots[tokens:])]
+    want = cache_list
+    for chunk, s in pieces:
+        want = scattered(chunk, want, s)
+    plan = transfer.CopyPlan(pieces, threads=threads)
+    assert plan._elements == [element, element]
+    if element is torch.float64:
+        assert plan._helpers() == [], "torch's own threads split each piece"
+    got = [c.clone() for c in cache_list]
+    plan.scatter(got)
+    assert all(same(g, w) for g, w in zip(got, want))
+
+
 def test_opaque_blocks_move_whole_through_their_paged_view() -> None:
     """A ``blocks:`` layout (vLLM's CPU cache ``[blocks, heads, block_size, 2 * dim]``, packed its
     own way): a plan moves whole blocks, byte for byte, to and from the block ids given."""
