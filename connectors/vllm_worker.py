@@ -12,8 +12,11 @@ A step's ``async_loads`` (vLLM's ``load_kv_async``) run whole on a thread of the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,7 +90,9 @@ class WorkerSide:
         """The step's metadata, before its forward pass; its async loads start at once."""
         self._meta, self._step = meta, None
         if meta.async_loads:
-            ctx = self.kv._step_context()  # made here: the engine's loader is created on this thread
+            # made here (the engine's loader is created on this thread); the scatter of a load that
+            # runs beside vLLM's steps uses its own thread only, not torch's team
+            ctx = dataclasses.replace(self.kv._step_context(), threads=1)
             for load in meta.async_loads:
                 self._async.start(load.request_id, functools.partial(self._load_whole, ctx, load))
 
@@ -209,12 +214,24 @@ class WorkerSide:
         self.kv.close()
 
 
+BACKGROUND_NICE = 10
+"""How much lower the async-load thread's CPU priority is (Linux per-thread nice): on a busy
+CPU, vLLM's step threads come first and the load takes the time they leave."""
+
+
+def _yield_cpu() -> None:
+    """Lower this thread's CPU priority by ``BACKGROUND_NICE`` (where the OS allows it)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: full priority
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+
+
 class AsyncLoads:
     """Async loads, run one at a time on a thread of their own (never the loader thread the
     steps' layer-by-layer loads use), keyed by request id. Call from one thread."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-async-load")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-async-load", initializer=_yield_cpu)
         self._jobs: dict[str, Future[LoadResult]] = {}
 
     def start(self, request_id: str, load: Callable[[], LoadResult]) -> None:

@@ -96,19 +96,21 @@ class LoadJob:
     ``kvlayer.read_plan``) where a layer is used as soon as it is in (beside compute, or on
     CUDA); a whole load on the CPU reads each chunk whole. ``executor`` None: everything is
     loaded before the constructor returns. ``stream``: the CUDA stream to copy on (None off
-    CUDA). Call ``wait_layer`` for each layer before using it and ``failures`` once after the
-    forward pass.
+    CUDA). ``threads``: the CPU threads a load with no ``executor`` may scatter on (default:
+    torch's); beside compute it is one. Call ``wait_layer`` for each layer before using it and
+    ``failures`` once after the forward pass.
     """
 
     def __init__(self, tiers: TierManager, staging: Staging, groups: LayerGroups, caches: Sequence[torch.Tensor],
                  items: Sequence[LoadItem], executor: Executor | None = None,
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, threads: int | None = None) -> None:
         self._tiers = tiers
         self._staging = staging
         self._groups = groups
         self._caches = list(caches)
         self._items = list(items)
         self._stream = stream
+        self._threads = threads
         self._valid = {item.request_id: item.start for item in self._items}
         self._ready = [threading.Event() for _ in self._caches]
         self._events = [torch.cuda.Event() for _ in self._caches] if stream is not None else []
@@ -146,7 +148,7 @@ class LoadJob:
             pieces = [piece for item, plan, chunks in zip(self._items, plans, reads.objs, strict=True)
                       for piece in _pieces(self._staging.layout, item, plan.keys, chunks)]
             copies = CopyPlan([(rows, slots) for rows, slots, _ in pieces],
-                              threads=1 if self._beside_compute else torch.get_num_threads(),
+                              threads=1 if self._beside_compute else self._threads or torch.get_num_threads(),
                               layers=[layers for _, _, layers in pieces])
             with _on(self._stream, self._start_event):
                 if self._beside_compute or self._events:  # each layer announced as soon as it is in

@@ -227,7 +227,8 @@ class StepTransfer:
             return None
         layerwise = not self._whole and loads_layerwise(ctx.layerwise, ctx.device, ctx.tiers, ready)
         job = LoadJob(ctx.tiers, ctx.staging, ctx.groups, self._caches, ready,
-                      ctx.loader if layerwise else None, ctx.streams[0] if layerwise else None)
+                      ctx.loader if layerwise else None, ctx.streams[0] if layerwise else None,
+                      threads=ctx.threads if self._whole else None)
         return job
 
     def _load_item(self, ld: LoadSpec) -> LoadItem | None:

@@ -22,6 +22,8 @@
 #     would take far longer than a few minutes to prefill on 2 cores, so the blocks are capped)
 #   BLOCK_SIZE [32] CHUNK_SIZE [256] (kvlayer's chunk_size, a multiple of BLOCK_SIZE)
 #   CPU_CAPACITY [half the working set's KV, so NVMe serves too] NVME_CAPACITY [64GiB]
+#   TP [1]: vLLM's --tensor-parallel-size (SERVER=vllm; ranks bound to shares of the cores through
+#     VLLM_CPU_OMP_THREADS_BIND, "0|1" for 2 ranks on 2 cores; kvlayer stores a shard per rank)
 #   MAX_MODEL_LEN [the largest request, rounded up to a block] STARTUP_TIMEOUT [300] (seconds)
 # SERVER=vllm needs vLLM's CPU build in .venv (scripts/setup.sh test). Timings mean something only
 # on an otherwise quiet machine: vLLM binds its OpenMP threads to the cores.
@@ -38,6 +40,12 @@ system="${SYSTEM_TOKENS:-512}" history="${HISTORY_TOKENS:-2048}"
 question="${QUESTION_TOKENS:-32}" answer="${ANSWER_TOKENS:-16}" rate="${RATE:-1}"
 kv_gib="${KV_GIB:-1}" kv_blocks="${KV_BLOCKS-128}" block="${BLOCK_SIZE:-32}" chunk="${CHUNK_SIZE:-256}"
 startup_timeout="${STARTUP_TIMEOUT:-300}"
+tp="${TP:-1}"
+case "$tp" in '' | *[!0-9]* | 0) echo "TP must be a positive integer, got '$tp'" >&2; exit 2 ;; esac
+if [ "$tp" -gt 1 ] && [ "$server" != vllm ]; then
+    echo "TP > 1 needs SERVER=vllm" >&2
+    exit 2
+fi
 
 if [ "$server" = vllm ] && ! "$py" -c "import vllm" 2>/dev/null; then
     echo "vLLM is not installed in .venv (run scripts/setup.sh test)" >&2
@@ -95,7 +103,14 @@ start_server() {
     if [ "$server" = vllm ]; then
         local override=()
         [ -z "$kv_blocks" ] || override=(--num-gpu-blocks-override "$kv_blocks")
-        VLLM_CPU_KVCACHE_SPACE="$kv_gib" setsid "$py" -m vllm.entrypoints.openai.api_server \
+        local bind="${VLLM_CPU_OMP_THREADS_BIND:-}"
+        if [ "$tp" -gt 1 ]; then
+            override+=(--tensor-parallel-size "$tp" --distributed-executor-backend mp)
+            [ -n "$bind" ] || bind="$("$py" -c 'import os, sys
+from kvlayer.benchmarks.vllm_bench import rank_cores
+print(rank_cores(int(sys.argv[1]), os.cpu_count() or 1))' "$tp")"
+        fi
+        VLLM_CPU_OMP_THREADS_BIND="${bind:-auto}" VLLM_CPU_KVCACHE_SPACE="$kv_gib" setsid "$py" -m vllm.entrypoints.openai.api_server \
             --model "$model" --port "$port" --host 127.0.0.1 --dtype float32 --block-size "$block" \
             --max-model-len "$max_model_len" --enable-prefix-caching --enforce-eager --skip-tokenizer-init \
             --enable-prompt-tokens-details --seed 0 "${override[@]}" "$@" >"$log" 2>&1 </dev/null &
@@ -142,7 +157,7 @@ print(json.dumps({"kv_connector": "KVLayerConnectorV1", "kv_connector_module_pat
                   "kv_role": "kv_both", "kv_connector_extra_config": extra}))' \
     "$cpu_capacity" "$nvme" "$nvme_capacity" "$chunk")"
 echo "working set $working_set tokens ($users users, largest request $max_request tokens);" \
-    "KV_GIB=$kv_gib KV_BLOCKS=${kv_blocks:-none}; kvlayer CPU tier $cpu_capacity, NVMe under $nvme"
+    "KV_GIB=$kv_gib KV_BLOCKS=${kv_blocks:-none} TP=$tp; kvlayer CPU tier $cpu_capacity, NVMe under $nvme"
 
 if [ "$server" = vllm ]; then
     base=vllm
