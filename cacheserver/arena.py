@@ -1,8 +1,10 @@
 """The shared-memory arena file: a header carrying the server's epoch, then the chunks' bytes.
 
 The server creates one file (mode 0600) under ``/dev/shm`` (the temporary folder where that is
-absent) named after its socket and a fresh random epoch, and never touches the chunk bytes:
-clients map the file and copy into and out of the ranges the server grants. The header
+absent) named after its socket and a fresh random epoch, and writes no chunk bytes itself but
+those it promotes from its lower tiers: clients map the file and copy into and out of the ranges
+the server grants, and the server only reads them back to seal and scrub them
+(``kvlayer.cacheserver.scrub``). The header
 (``HEADER``: magic, version, epoch, file size, where the data starts) lets a client refuse a
 stale or foreign file: its epoch must be the one the server's ``HELLO`` answered. A server
 killed without cleaning up leaves its file; the next server on the same socket removes it.

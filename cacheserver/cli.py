@@ -3,9 +3,10 @@
 ``kvlayer cache-server --socket PATH --cpu-capacity SIZE [--config FILE]``. The config file (and
 ``KVLAYER_*`` variables) may give the socket (``cache_server``), the token
 (``cache_server_token``), the capacity (``cpu_capacity``), the per-tenant quota
-(``cache_salt_quota``), the socket's group (``cache_socket_group``) and the metrics port
-(``cache_metrics_port``); the flags win. The server prints one line once it listens and stops
-on SIGTERM or SIGINT, removing its socket and arena file.
+(``cache_salt_quota``), the socket's group (``cache_socket_group``), the metrics port
+(``cache_metrics_port``) and the controller (``controller_url``, ``controller_token``: the server
+registers its tiers there, ``kvlayer.cacheserver.controller_link``); the flags win. The server
+prints one line once it listens and stops on SIGTERM or SIGINT, removing its socket and arena file.
 This module imports only argparse at import time, so ``kvlayer --help`` stays fast.
 """
 
@@ -33,6 +34,13 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                                         "(default: the config's cache_server_token)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint (default 127.0.0.1)")
+    s.add_argument("--scrub-mib-s", type=float, default=512.0,
+                   help="MiB/s of re-verifying sealed chunks against their checksums (default 512; 0: off, "
+                        "commits are still verified)")
+    s.add_argument("--controller-url", help="register the server's tiers with this kvlayer controller "
+                                            "(default: the config's controller_url)")
+    s.add_argument("--controller-token-file", help="file whose first line is the controller's bearer token "
+                                                   "(default: the config's controller_token)")
     s.add_argument("--stats", action="store_true", help="print the running server's accounting and exit")
     s.set_defaults(func=run)
 
@@ -66,10 +74,15 @@ def run(args: argparse.Namespace) -> int:
         lower = LowerTiers.from_config(config)
     server = CacheServer(path, capacity, token, salt_quota=quota_bytes(quota, capacity) if quota else None,
                          socket_group=args.socket_group or config.cache_socket_group,
-                         metrics=(args.metrics_host, port) if port else None, lower=lower)
+                         metrics=(args.metrics_host, port) if port else None, lower=lower,
+                         scrub_rate=int(args.scrub_mib_s * 2**20))
+    url = args.controller_url or config.controller_url
+    controller_token = (_read_token(args.controller_token_file) if args.controller_token_file
+                        else config.controller_token)
     try:
         asyncio.run(_serve(server, f"kvlayer cache-server: listening on {path} ({format_size(capacity)} "
-                                   f"arena {server.arena.path}, epoch {server.arena.epoch:016x})"))
+                                   f"arena {server.arena.path}, epoch {server.arena.epoch:016x})",
+                           (config, url, controller_token) if url else None))
     except BaseException:
         server.close()
         raise
@@ -96,17 +109,29 @@ def _capacity(config: KVLayerConfig) -> int:
     return int(size)
 
 
-async def _serve(server: object, banner: str) -> None:
+async def _serve(server: object, banner: str, controller: tuple[KVLayerConfig, str, str | None] | None) -> None:
     import asyncio
     import signal
 
-    stop = asyncio.Event()
+    stop, closing = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()  # type: ignore[attr-defined]
+    link = None
+    if controller is not None:  # grpc is imported only then
+        from kvlayer.cacheserver.controller_link import start_link
+
+        link = start_link(server, *controller)  # type: ignore[arg-type]
     print(banner, flush=True)
-    await server.serve_until(stop)  # type: ignore[attr-defined]
+    serving = asyncio.ensure_future(server.serve_until(closing))  # type: ignore[attr-defined]
+    try:
+        await stop.wait()
+        if link is not None:  # its streams end before the tiers they report close
+            await link.close()
+    finally:
+        closing.set()
+        await serving
 
 
 def _print_stats(path: str, token: str | None) -> int:

@@ -17,6 +17,11 @@ right, as ``offset -> (digest, size, checksum)``; a later lease with the same fo
 not hashed again (docs/cache-server.md, "What is verified"). The record belongs to the link,
 so a new connection (a new server, a new epoch) starts with none. Chunks this link writes are
 not recorded: the writer, too, hashes its first read.
+
+Mapping: once mapped, the arena is made ready in the background (``kvlayer.cacheserver.prefault``:
+its data pages populated, or on a CUDA engine the whole mapping registered as pinned memory,
+``kvlayer.cacheserver.pinned``), so a restarted engine's first reads do not fault; the link
+stops that (and unregisters) when it closes for good.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlayer.cacheserver import pinned
 from kvlayer.cacheserver import protocol as wire
 from kvlayer.cacheserver.arena import HEADER, check_header, epoch_of
+from kvlayer.cacheserver.prefault import Prefault
 from kvlayer.cacheserver.protocol import Op
 from kvlayer.memory import Arena, MemoryObj
 
@@ -74,7 +81,7 @@ class Link:
     """A greeted connection with the arena mapped; make one with ``await Link.open(...)``."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 welcome: wire.Welcome, mapping: mmap.mmap) -> None:
+                 welcome: wire.Welcome, mapping: mmap.mmap, device: torch.device | None = None) -> None:
         self._reader, self._writer = reader, writer
         self.welcome = welcome
         self.mapping = mapping
@@ -88,11 +95,25 @@ class Link:
         self._pending: list[bytes] = []
         self._flushing = False
         self._verified: dict[int, tuple[bytes, int, int]] = {}  # offset -> (digest, size, checksum)
+        self.prefault = self._prefault(device or torch.device("cpu"))
+        """The background preparation of the mapping (``prefault.done``, ``.registered``)."""
+
+    def _prefault(self, device: torch.device) -> Prefault:
+        address, size = self.arena.buffer.data_ptr(), len(self.mapping)
+        register = unregister = None
+        if pinned.wanted(device):
+            def register() -> bool:
+                return pinned.register(address, size, device)
+
+            def unregister() -> None:
+                pinned.unregister(address, device)
+        return Prefault(self.mapping, self.welcome.path, self.welcome.data_offset, register, unregister).start()
 
     @classmethod
-    async def open(cls, path: str, token: str | None) -> Link:
-        """Connect, greet, map the arena and check its header; ``ConnectionError`` (or ``OSError``,
-        ``ValueError``) when the server is absent, refuses us or announces a foreign arena."""
+    async def open(cls, path: str, token: str | None, device: torch.device | None = None) -> Link:
+        """Connect, greet, map the arena and check its header, then start preparing the mapping in
+        the background for an engine on ``device`` (pinned on CUDA); ``ConnectionError`` (or
+        ``OSError``, ``ValueError``) when the server is absent, refuses us or announces a foreign arena."""
         reader, writer = await asyncio.open_unix_connection(path, limit=wire.MAX_BODY + wire.FRAME.size)
         try:
             writer.write(wire.frame(Op.HELLO, wire.hello(token)))
@@ -104,7 +125,7 @@ class Link:
         except BaseException:
             writer.close()
             raise
-        return cls(reader, writer, welcome, mapping)
+        return cls(reader, writer, welcome, mapping, device)
 
     # --- requests -----------------------------------------------------------------------
     async def call(self, op: Op, body: bytes) -> bytes:
@@ -192,11 +213,16 @@ class Link:
         with self.arena.lock:
             idle = not self._held
         if idle:
-            self._writer.close()
+            self._shut()
 
     def close(self) -> None:
-        """Close the socket now (the server then releases every claim of this link)."""
+        """Close the socket now (the server then releases every claim of this link) and stop
+        preparing the mapping (a registration is undone)."""
         self.alive = False
+        self._shut()
+
+    def _shut(self) -> None:
+        self.prefault.stop()
         self._writer.close()
 
     def _freed(self, offset: int) -> None:
@@ -213,7 +239,7 @@ class Link:
                 release.append(held.digest)
         if not self.alive:
             if not self._held:
-                self._call_soon(self._writer.close)
+                self._call_soon(self._shut)
             return
         if release:
             self._pending += release

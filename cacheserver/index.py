@@ -16,12 +16,20 @@ Quotas (``quota`` bytes per tenant, the tag of a chunk's ``cache_salt``; the emp
 tenant too): a reservation that would take its tenant past the quota evicts that tenant's own
 least recent unleased chunks first; if they do not make room, it is refused (FULL). Another
 tenant's chunks are evicted only for a tenant within its quota.
+
+Seals (``cacheserver/scrub.py`` does the hashing, off the loop): every commit waits, oldest
+first, to be verified against its checksum (``to_seal``); a match *seals* it (``LEASE`` says so),
+and sealed chunks are verified again, the one verified longest ago first (``to_rescrub``). A
+chunk that fails (``checked``) is counted in ``checksum_errors`` and dropped; one under lease is
+*spoiled* instead: lookups and leases miss it (a store of it answers PRESENT) until its last
+lease is given back, and then it is dropped.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvlayer.cacheserver.protocol import Key, Lease, Reserve, Slot, Status, TenantUsage
@@ -87,6 +95,10 @@ class Entry:
     checksum: int = 0
     committed: bool = False
     leases: int = 0
+    sealed: bool = False
+    """The server hashed the committed bytes and found ``checksum``."""
+    spoiled: bool = False
+    """The bytes failed their checksum while leased: a miss, dropped with its last lease."""
 
 
 @dataclass(slots=True)
@@ -108,8 +120,14 @@ class ChunkIndex:
         self._space = FreeList(base, size)
         self._entries: dict[bytes, Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # committed chunks, least recent first
+        self._unsealed: OrderedDict[bytes, None] = OrderedDict()  # commits to verify, oldest first
+        self._sealed: OrderedDict[bytes, None] = OrderedDict()  # verified chunks, verified longest ago first
         self.evictions = 0
         self.refused = 0
+        self.checksum_errors = 0
+        self.listener: Callable[[bool, Sequence[bytes]], None] | None = None
+        """Told ``(True, digests)`` of commits and ``(False, [digest])`` of committed chunks dropped
+        (the server's controller link); cheap, never raising."""
         self.answers = Counter[str]()
         """Chunks asked for, by answer: ``lookup_hit``, ``lookup_miss`` (the keys after the held
         prefix), ``lease_hit``, ``lease_miss``."""
@@ -128,9 +146,18 @@ class ChunkIndex:
         return self._space.used
 
     def counts(self) -> tuple[int, int, int]:
-        """(committed chunks, reservations, leases)."""
+        """(committed chunks, spoiled ones included; reservations; leases)."""
         committed = len(self._lru)
         return committed, len(self._entries) - committed, sum(e.leases for e in self._entries.values())
+
+    def committed(self) -> list[bytes]:
+        """The digests of every committed chunk, least recently used first (a controller snapshot)."""
+        return list(self._lru)
+
+    @property
+    def sealed(self) -> int:
+        """Committed chunks verified by the server."""
+        return len(self._sealed)
 
     def tenants(self) -> list[TenantUsage]:
         """Every tenant that holds a range or was refused one, most bytes first (the sum of their
@@ -193,11 +220,14 @@ class ChunkIndex:
                 entry.leases += 1
                 session.leases[digest] += 1
                 self._lru[digest] = None
+                self._unsealed[digest] = None
                 n += 1
+                if self.listener is not None:
+                    self.listener(True, [digest])
         return n
 
     def lease(self, session: Session, keys: list[Key]) -> list[Lease]:
-        """A lease on each committed key (its range and checksum), MISSING for the others."""
+        """A lease on each committed key (its range, checksum and seal), MISSING for the others."""
         out = []
         for key in keys:
             entry = self._held(key)
@@ -206,7 +236,7 @@ class ChunkIndex:
                 continue
             entry.leases += 1
             session.leases[key.digest] += 1
-            out.append(Lease(Status.OK, entry.offset, entry.size, entry.checksum))
+            out.append(Lease(Status.OK, entry.offset, entry.size, entry.checksum, entry.sealed))
         found = [k for k, x in zip(keys, out) if x.status is Status.OK]
         self._touch(found)
         self.answers["lease_hit"] += len(found)
@@ -221,7 +251,7 @@ class ChunkIndex:
                 session.leases[digest] -= 1
                 if not session.leases[digest]:
                     del session.leases[digest]
-                self._entries[digest].leases -= 1
+                self._unlease(digest, 1)
                 n += 1
             elif digest in session.reserved:
                 session.reserved.discard(digest)
@@ -242,7 +272,7 @@ class ChunkIndex:
     def end(self, session: Session) -> None:
         """The session's connection closed: release everything it held."""
         for digest, n in session.leases.items():
-            self._entries[digest].leases -= n
+            self._unlease(digest, n)
         session.leases.clear()
         for digest in session.reserved:
             self._drop(digest)
@@ -251,9 +281,16 @@ class ChunkIndex:
     # --- internals ----------------------------------------------------------------------
     def _held(self, key: Key) -> Entry | None:
         entry = self._entries.get(key.digest)
-        if entry is None or not entry.committed or entry.tokens_digest != key.tokens_digest:
+        if entry is None or not entry.committed or entry.spoiled or entry.tokens_digest != key.tokens_digest:
             return None
         return entry
+
+    def _unlease(self, digest: bytes, n: int) -> None:
+        """Give back ``n`` leases of ``digest``; a spoiled chunk goes with its last."""
+        entry = self._entries[digest]
+        entry.leases -= n
+        if entry.spoiled and entry.leases == 0:
+            self._drop(digest)
 
     def _touch(self, keys: list[Key]) -> None:
         for key in reversed(keys):
@@ -276,6 +313,7 @@ class ChunkIndex:
     def _drop(self, digest: bytes) -> None:
         entry = self._entries.pop(digest)
         self._lru.pop(digest, None)
+        self._unline(digest)
         self._space.free(entry.offset, entry.size)
         self._tenant_bytes[entry.tenant] -= _aligned(entry.size)
         if not self._tenant_bytes[entry.tenant]:
@@ -284,6 +322,8 @@ class ChunkIndex:
             self._tenant_chunks[entry.tenant] -= 1
             if not self._tenant_chunks[entry.tenant]:
                 del self._tenant_chunks[entry.tenant]
+            if self.listener is not None:
+                self.listener(False, [digest])
 
     # --- the server's own claims (its lower tiers, cacheserver/lower.py) -------------------
     def hold(self, digests: list[bytes]) -> list[tuple[bytes, Entry]]:
@@ -299,5 +339,58 @@ class ChunkIndex:
 
     def unhold(self, held: list[tuple[bytes, Entry]]) -> None:
         """Undo the ``hold`` that returned ``held``."""
-        for _, entry in held:
-            entry.leases -= 1
+        for digest, _ in held:
+            self._unlease(digest, 1)  # held, so still indexed: only its last lease drops a spoiled one
+
+    # --- seals (the hashing is cacheserver/scrub.py's) -------------------------------------
+    def to_seal(self, max_bytes: int) -> list[tuple[bytes, Entry]]:
+        """The oldest commits not yet verified, at least one (if any) and at most ``max_bytes``
+        after the first; they stay in line until ``checked``."""
+        return self._first(self._unsealed, max_bytes)
+
+    def to_rescrub(self, max_bytes: int) -> list[tuple[bytes, Entry]]:
+        """The sealed chunks verified longest ago, as ``to_seal`` takes them."""
+        return self._first(self._sealed, max_bytes)
+
+    def checked(self, results: list[tuple[bytes, Entry, int]]) -> list[bytes]:
+        """Apply ``(digest, entry, xxh3 of its bytes)`` hashed off the loop: a match seals the
+        chunk (verified now); a mismatch is counted and drops it (or spoils it while leased). A
+        digest whose entry is no longer ``entry`` (evicted, removed, stored anew meanwhile) is
+        skipped. The digests that failed."""
+        bad = []
+        for digest, entry, got in results:
+            if self._entries.get(digest) is not entry or not entry.committed or entry.spoiled:
+                continue
+            if got == entry.checksum:
+                self.seal(digest)
+                continue
+            bad.append(digest)
+            self.checksum_errors += 1
+            if not entry.leases:
+                self._drop(digest)
+                continue
+            entry.spoiled, entry.sealed = True, False
+            self._unline(digest)
+        return bad
+
+    def seal(self, digest: bytes) -> None:
+        """Mark the committed ``digest`` verified now (the scrub's match, or a lower tier's
+        checksummed read into the arena)."""
+        self._entries[digest].sealed = True
+        self._unline(digest)
+        self._sealed[digest] = None  # the end of the line: verified last
+
+    def _unline(self, digest: bytes) -> None:
+        self._unsealed.pop(digest, None)
+        self._sealed.pop(digest, None)
+
+    def _first(self, line: OrderedDict[bytes, None], max_bytes: int) -> list[tuple[bytes, Entry]]:
+        out: list[tuple[bytes, Entry]] = []
+        total = 0
+        for digest in line:
+            entry = self._entries[digest]
+            if out and total + entry.size > max_bytes:
+                break
+            out.append((digest, entry))
+            total += entry.size
+        return out

@@ -5,15 +5,17 @@ the fixed layout ``BYTES_LAYOUT`` (``n / 2`` float16 values, ``(1, 1, n / 2, 1, 
 project's own backends (``backends/nvme.py``, ``backends/redis.py``): the ``kvlayer.serde``
 header keeps the key, tokens digest, size and xxh3 checksum, and every read is the one
 checksummed ranged read (``backends/byte_reads.py``). Chunk files are named with start 0, so a
-chunk's size is found again from its file (or its two Redis values) after a restart.
+restarted server finds them again; a chunk's size comes with the ``LEASE`` that asks for it.
 
 - ``write_through``: a committed chunk is held in the arena (``ChunkIndex.hold``) until every
   lower tier wrote it, in the background; its bytes are first checked against the checksum the
   writer committed. A failed write (a full disk, a dead Redis) is counted, never raised.
 - ``count``: how many keys past the arena's prefix the lower tiers hold, tier by tier.
-- ``promote``: a lease of a chunk the arena lacks reads it into a fresh range of the arena (the
-  session's reservation, committed into its lease once the read verified); a failed or corrupt
-  read is a miss, and the next tier is tried.
+- ``promote``: a lease of a chunk the arena lacks reads it, at the size the lease names, into a
+  fresh range of the arena (the session's reservation, of the lease's tenant, committed into its
+  lease and sealed once the read verified). A failed or corrupt read, or a stored chunk of
+  another size (its header disagrees), is a miss, and the next tier is tried; a lease of size 0
+  (not known) or of a size no chunk can have is not promoted.
 
 A tier that raised is skipped for ``BACKOFF_S`` (its calls would each wait out a timeout).
 Faults are counted in ``stats()`` and logged once per kind.
@@ -33,10 +35,9 @@ from typing import TypeVar
 import torch
 import xxhash
 
-from kvlayer import serde
 from kvlayer.cacheserver.client import MappedArena
 from kvlayer.cacheserver.index import ChunkIndex, Entry, Session
-from kvlayer.cacheserver.protocol import Key, Lease, Status
+from kvlayer.cacheserver.protocol import Key, Lease, Reserve, Status
 from kvlayer.config import KVLayerConfig
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import LATENT_CACHE_LAYOUT, KVLayout
@@ -51,7 +52,7 @@ BYTES_LAYOUT = KVLayout(1, 1, 1, torch.float16, 1, LATENT_CACHE_LAYOUT)
 ITEM = 2
 BACKOFF_S = 5.0
 COUNTERS = ("written", "write_errors", "skipped_writes", "bad_checksums", "odd_sizes", "lookup_errors", "promoted",
-            "promote_misses", "read_errors")
+            "promote_misses", "unsized_leases", "read_errors")
 
 
 def bytes_key(key: Key, size: int = ITEM) -> ChunkKey:
@@ -60,7 +61,7 @@ def bytes_key(key: Key, size: int = ITEM) -> ChunkKey:
 
 
 class LowerTier:
-    """One backend below the arena, and how to learn a stored chunk's size."""
+    """One backend below the arena, and its backoff after a failure."""
 
     def __init__(self, backend: StorageBackend) -> None:
         self.backend = backend
@@ -70,41 +71,6 @@ class LowerTier:
     def up(self) -> bool:
         """False while the tier is in its backoff after a failure."""
         return time.monotonic() >= self.down_until
-
-    async def sizes(self, keys: Sequence[Key]) -> list[int | None]:
-        """The payload bytes of each key's stored chunk, None where it is not stored."""
-        raise NotImplementedError
-
-
-class NvmeLower(LowerTier):
-    """The NVMe tier: a chunk's size from its file's (header, then payload)."""
-
-    async def sizes(self, keys: Sequence[Key]) -> list[int | None]:
-        from kvlayer.backends.nvme_files import chunk_path
-
-        root = self.backend.root  # type: ignore[attr-defined]
-        out: list[int | None] = []
-        for key in keys:
-            try:
-                out.append(os.stat(chunk_path(root, key.digest, 0)).st_size - serde.HEADER_SIZE)
-            except OSError:
-                out.append(None)
-        return out
-
-
-class RedisLower(LowerTier):
-    """The Redis tier: a chunk's size from the lengths of its two values."""
-
-    async def sizes(self, keys: Sequence[Key]) -> list[int | None]:
-        backend = self.backend
-        names = [backend.redis_keys(bytes_key(k)) for k in keys]  # type: ignore[attr-defined]
-        async with backend._deadline():  # type: ignore[attr-defined]
-            lens = await backend._run([("STRLEN", n) for pair in names for n in pair])  # type: ignore[attr-defined]
-        out: list[int | None] = []
-        for head, body in zip(lens[::2], lens[1::2]):
-            ok = isinstance(head, int) and isinstance(body, int) and head > serde.HEADER_SIZE and body > 0
-            out.append(head + body - serde.HEADER_SIZE if ok else None)
-        return out
 
 
 class LowerTiers:
@@ -129,7 +95,7 @@ class LowerTiers:
             from kvlayer.backends.nvme import NvmeBackend
 
             root = os.path.abspath(os.path.expanduser(nvme["path"]))
-            tiers.append(NvmeLower(NvmeBackend(root, nvme["capacity"], BYTES_LAYOUT, staging, fsync=nvme["fsync"])))
+            tiers.append(LowerTier(NvmeBackend(root, nvme["capacity"], BYTES_LAYOUT, staging, fsync=nvme["fsync"])))
         redis = config.tiers.get("redis")
         if redis is not None and redis.enabled:
             from kvlayer.backends.redis import RedisBackend
@@ -137,7 +103,7 @@ class LowerTiers:
 
             settings = RedisSettings(redis["url"], redis["cluster"], redis["ttl_s"], redis["key_prefix"],
                                      "none", config.tier_timeout_ms / 1000, "none")
-            tiers.append(RedisLower(RedisBackend(settings, BYTES_LAYOUT, staging)))
+            tiers.append(LowerTier(RedisBackend(settings, BYTES_LAYOUT, staging)))
         return cls(tiers) if tiers else None
 
     def attach(self, path: str, size: int) -> None:
@@ -218,41 +184,43 @@ class LowerTiers:
                     n, moved = n + got, True
         return n
 
-    async def promote(self, index: ChunkIndex, session: Session, keys: Sequence[Key],
+    async def promote(self, index: ChunkIndex, session: Session, items: Sequence[Reserve],
                       leases: Sequence[Lease]) -> list[Lease]:
-        """``leases`` with each MISSING key that a tier holds read into the arena and leased to
-        ``session``; a key no tier gives a verified chunk for stays MISSING."""
+        """``leases`` with each MISSING item that a tier holds, at the item's size, read into the
+        arena (of the item's tenant), sealed and leased to ``session``; an item no tier gives a
+        verified chunk of that size for stays MISSING. An item of size 0 (not known), past the
+        capacity or odd is not looked for (counted in ``unsized_leases``)."""
         out = list(leases)
-        todo = [i for i, x in enumerate(out) if x.status is Status.MISSING]
+        missing = [i for i, x in enumerate(out) if x.status is Status.MISSING]
+        todo = [i for i in missing if 0 < items[i].size <= index.capacity and not items[i].size % ITEM]
+        self._stats["unsized_leases"] += len(missing) - len(todo)
         for tier in self.tiers:
             if todo and tier.up:
-                todo = await self._promote_from(tier, index, session, keys, out, todo)
+                todo = await self._promote_from(tier, index, session, items, out, todo)
         self._stats["promote_misses"] += len(todo)
         return out
 
-    async def _promote_from(self, tier: LowerTier, index: ChunkIndex, session: Session, keys: Sequence[Key],
+    async def _promote_from(self, tier: LowerTier, index: ChunkIndex, session: Session, items: Sequence[Reserve],
                             out: list[Lease], todo: list[int]) -> list[int]:
-        """Promote ``keys[i]`` for each ``i`` in ``todo`` from ``tier`` into ``out``; the ones left."""
-        sizes = await self._guard(tier, "read_errors", tier.sizes([keys[i] for i in todo]))
-        if sizes is None:
-            return todo
-        found = [(i, s) for i, s in zip(todo, sizes) if s is not None and 0 < s <= index.capacity and not s % ITEM]
-        slots = index.reserve(session, [(keys[i], s) for i, s in found]) if found else []
-        taken = [(i, s, slot.offset) for (i, s), slot in zip(found, slots) if slot.status is Status.OK]
-        objs = [self._obj(offset, s) for _, s, offset in taken]
+        """Promote ``items[i]`` for each ``i`` in ``todo`` from ``tier`` into ``out``; the ones left."""
+        slots = index.reserve(session, [items[i] for i in todo])
+        taken = [(i, slot.offset) for i, slot in zip(todo, slots) if slot.status is Status.OK]
+        objs = [self._obj(offset, items[i].size) for i, offset in taken]
         try:
             flags = await self._guard(tier, "read_errors", tier.backend.read_layers(
-                [bytes_key(keys[i], s) for i, s, _ in taken], objs, [(0, 1)], lambda g: None))
+                [bytes_key(items[i].key, items[i].size) for i, _ in taken], objs, [(0, 1)], lambda g: None))
             flags = flags or [False] * len(taken)
-            for (i, s, offset), obj, ok in zip(taken, objs, flags):
-                digest = keys[i].digest
-                if not ok:
+            for (i, offset), obj, ok in zip(taken, objs, flags):
+                digest, size = items[i].key.digest, items[i].size
+                if not ok:  # not there, unreadable, corrupt, or stored at another size
                     index.release(session, [digest])
                     continue
+                # the read verified the stored checksum; this hash is of the arena's bytes, as a commit's
                 checksum = await asyncio.to_thread(xxhash.xxh3_64_intdigest, obj.byte_view())
-                index.commit(session, [(digest, checksum)])
-                out[i] = Lease(Status.OK, offset, s, checksum)
-                self._stats["promoted"] += 1
+                if index.commit(session, [(digest, checksum)]):
+                    index.seal(digest)
+                    out[i] = Lease(Status.OK, offset, size, checksum, True)
+                    self._stats["promoted"] += 1
         finally:
             release_all(objs)
         return [i for i in todo if out[i].status is Status.MISSING]

@@ -25,12 +25,19 @@ MAX_REQUEST = 8192
 """The most bytes of request line and headers a scrape may send."""
 
 
+class Scrubbed(Protocol):
+    """What the collector reads of a server's scrub (``Scrubber``)."""
+
+    hashed_bytes: int
+
+
 class Accounted(Protocol):
     """What the collector reads of a server (``CacheServer``)."""
 
     index: ChunkIndex
     accepted: int
     refusals: dict[str, int]
+    scrub: Scrubbed
 
     def stats(self) -> wire.Stats: ...
 
@@ -54,11 +61,16 @@ class ServerCollector(Collector):
                                  ("reserved", s.reserved, "reservations not yet committed"),
                                  ("leases", s.leases, "leases held by clients (a commit is its writer's lease)"),
                                  ("connections", s.connections, "open client connections"),
+                                 ("sealed_chunks", s.sealed, "committed chunks the server verified itself"),
                                  ("salt_quota_bytes", index.quota or 0, "the most one tenant holds (0: no quota)")):
             yield GaugeMetricFamily(PREFIX + name, f"cache server: {doc}", value=value)
         for name, value, doc in (("evictions", s.evictions, "chunks evicted for room"),
                                  ("refused_stores", s.refused, "reservations refused FULL (capacity or quota)"),
-                                 ("accepted_connections", self._server.accepted, "connections accepted")):
+                                 ("accepted_connections", self._server.accepted, "connections accepted"),
+                                 ("checksum_errors", s.checksum_errors,
+                                  "chunks whose arena bytes failed their checksum (dropped)"),
+                                 ("scrubbed_bytes", self._server.scrub.hashed_bytes,
+                                  "bytes the server hashed to verify chunks (seals and re-scrubs)")):
             yield CounterMetricFamily(PREFIX + name, f"cache server: {doc}", value=value)
         for op in ("lookup", "lease"):
             fam = CounterMetricFamily(PREFIX + f"{op}_chunks", f"cache server: chunks asked for by {op.upper()}",

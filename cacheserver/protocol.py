@@ -13,12 +13,20 @@ at most ``MAX_ITEMS``):
 - ``LOOKUP``  ``n, n x key`` -> ``u32 leading keys held``
 - ``RESERVE`` ``n, n x (key, u64 size, 8s tenant)`` -> ``n, n x (u8 status, u64 offset)``
 - ``COMMIT``  ``n, n x (digest, u64 checksum)`` -> ``u32 committed``
-- ``LEASE``   ``n, n x key`` -> ``n, n x (u8 status, u64 offset, u64 size, u64 checksum)``
+- ``LEASE``   ``n, n x (key, u64 size, 8s tenant)`` ->
+              ``n, n x (u8 status, u8 flags, u64 offset, u64 size, u64 checksum)``
 - ``RELEASE`` ``n, n x digest`` -> ``u32 released`` (a lease, or a reservation not committed)
 - ``REMOVE``  ``n, n x digest`` -> ``u32 removed``
 - ``STATS``   empty -> ``Stats`` as ``len(Stats._fields)`` x ``u64``
 - ``TENANTS`` empty -> ``u64 quota bytes (0: none), n, n x (8s tenant, u64 used bytes, u64 chunks, u64 refused)``
+- ``ANNOUNCE`` a client's key namespace, a controller.proto ``ModelNamespace`` (<= ``MAX_NAMESPACE``) -> ``u32`` 1
 - ``ERROR``   ``u16 code, message (UTF-8)``
+
+A ``LEASE`` item carries what the client expects: the chunk's size (0: not known, then only the
+arena can answer it) and tenant, so a chunk the server promotes from its lower tiers is read at
+that size (a stored chunk of another size is a miss) and accounted to that tenant. A lease's
+``flags`` bit ``SEALED`` says the server hashed the chunk's arena bytes itself and found its
+committed checksum (``cacheserver/scrub.py``): a client may use it without hashing it again.
 
 A tenant is the ``TENANT_BYTES`` tag of a chunk's ``cache_salt`` (``kvlayer.keys.tenant_tag``),
 never the salt; the server bounds each tenant's bytes by its ``salt_quota``.
@@ -32,8 +40,9 @@ import enum
 import struct
 from typing import NamedTuple
 
-VERSION = 2
-"""2: ``RESERVE`` items carry their tenant; ``TENANTS``."""
+VERSION = 3
+"""2: ``RESERVE`` items carry their tenant; ``TENANTS``. 3: ``LEASE`` items carry size and tenant,
+its reply the ``SEALED`` flag; ``Stats`` counts sealed chunks and checksum errors."""
 MAGIC = b"KVCS"
 FRAME = struct.Struct("<BBHI")
 DIGEST_BYTES = 32
@@ -46,6 +55,7 @@ DEFAULT_TENANT = bytes(TENANT_BYTES)
 MAX_ITEMS = 8192
 """The most keys one frame carries (a client splits longer batches)."""
 MAX_TOKEN = 1024
+MAX_NAMESPACE = 65536  # bytes: a model of 4096 layers with per-layer windows fits
 MAX_BODY = 4 + MAX_ITEMS * (KEY_BYTES + 8 + TENANT_BYTES)
 """The largest body either side reads; a longer one is a protocol error."""
 
@@ -54,7 +64,9 @@ _HELLO = struct.Struct("<4sHH")
 _WELCOME = struct.Struct("<HQQQH")
 _SIZE = struct.Struct("<Q")
 _SLOT = struct.Struct("<BQ")
-_LEASE = struct.Struct("<BQQQ")
+_LEASE = struct.Struct("<BBQQQ")
+SEALED = 1
+"""``LEASE`` reply flag: the server verified the chunk's bytes against its checksum."""
 _ERROR = struct.Struct("<H")
 _RESERVE = struct.Struct(f"<Q{TENANT_BYTES}s")
 _TENANT = struct.Struct(f"<{TENANT_BYTES}sQQQ")
@@ -72,6 +84,7 @@ class Op(enum.IntEnum):
     REMOVE = 7
     STATS = 8
     TENANTS = 9
+    ANNOUNCE = 10
     ERROR = 255
 
 
@@ -141,12 +154,14 @@ class Slot(NamedTuple):
 
 
 class Lease(NamedTuple):
-    """One item of a ``LEASE`` reply: where the chunk is, its size and checksum (``OK``), or ``MISSING``."""
+    """One item of a ``LEASE`` reply: where the chunk is, its size and checksum (``OK``), or
+    ``MISSING``; ``sealed``: the server verified those bytes against that checksum."""
 
     status: Status
     offset: int
     size: int
     checksum: int
+    sealed: bool = False
 
 
 class Stats(NamedTuple):
@@ -161,6 +176,10 @@ class Stats(NamedTuple):
     connections: int
     evictions: int
     refused: int
+    sealed: int
+    """Committed chunks whose bytes the server verified (``cacheserver/scrub.py``)."""
+    checksum_errors: int
+    """Chunks the server found not to match their committed checksum (and dropped)."""
 
 
 _STATS = struct.Struct(f"<{len(Stats._fields)}Q")
@@ -211,7 +230,7 @@ def parse_hello(body: bytes) -> tuple[int, bytes]:
 
 
 def keys(items: list[Key]) -> bytes:
-    """The body of ``LOOKUP`` and ``LEASE``."""
+    """The body of ``LOOKUP``."""
     return _COUNT.pack(len(items)) + b"".join(k.pack() for k in items)
 
 
@@ -221,8 +240,8 @@ def digests(items: list[bytes]) -> bytes:
 
 
 def reserve(items: list[Reserve] | list[tuple[Key, int]]) -> bytes:
-    """The body of ``RESERVE``: each key with its chunk's size in bytes and its tenant (a bare
-    ``(key, size)`` is of ``DEFAULT_TENANT``); ``ValueError`` for a tenant not of ``TENANT_BYTES``."""
+    """The body of ``RESERVE`` and ``LEASE``: each key with its chunk's size in bytes and its tenant
+    (a bare ``(key, size)`` is of ``DEFAULT_TENANT``); ``ValueError`` for a tenant not of ``TENANT_BYTES``."""
     out = [_COUNT.pack(len(items))]
     for item in items:
         r = Reserve(*item)
@@ -248,7 +267,7 @@ def _records(body: bytes, size: int) -> list[bytes]:
 
 
 def parse_keys(body: bytes) -> list[Key]:
-    """The keys of a ``LOOKUP`` or ``LEASE`` body."""
+    """The keys of a ``LOOKUP`` body."""
     return [Key(r[:DIGEST_BYTES], r[DIGEST_BYTES:]) for r in _records(body, KEY_BYTES)]
 
 
@@ -258,7 +277,8 @@ def parse_digests(body: bytes) -> list[bytes]:
 
 
 def parse_reserve(body: bytes) -> list[Reserve]:
-    """The items of a ``RESERVE`` body (sizes are checked by the index)."""
+    """The items of a ``RESERVE`` or ``LEASE`` body (sizes are checked by the index, or by what
+    a lower tier reads)."""
     return [Reserve(Key(r[:DIGEST_BYTES], r[DIGEST_BYTES:KEY_BYTES]), *_RESERVE.unpack_from(r, KEY_BYTES))
             for r in _records(body, KEY_BYTES + _RESERVE.size)]
 
@@ -322,12 +342,18 @@ def parse_slots(body: bytes) -> list[Slot]:
 
 def leases(items: list[Lease]) -> bytes:
     """The body of the reply to ``LEASE``."""
-    return _COUNT.pack(len(items)) + b"".join(_LEASE.pack(*x) for x in items)
+    return _COUNT.pack(len(items)) + b"".join(_LEASE.pack(x.status, SEALED if x.sealed else 0, x.offset, x.size,
+                                                          x.checksum) for x in items)
 
 
 def parse_leases(body: bytes) -> list[Lease]:
-    """The reply to ``LEASE``."""
-    return [Lease(_status(s), o, n, c) for s, o, n, c in (_LEASE.unpack(r) for r in _records(body, _LEASE.size))]
+    """The reply to ``LEASE``; ``ProtocolError`` for an unknown flag."""
+    out = []
+    for s, flags, o, n, c in (_LEASE.unpack(r) for r in _records(body, _LEASE.size)):
+        if flags & ~SEALED:
+            raise ProtocolError(f"unknown lease flags {flags:#x}")
+        out.append(Lease(_status(s), o, n, c, bool(flags & SEALED)))
+    return out
 
 
 def stats(s: Stats) -> bytes:

@@ -7,6 +7,8 @@ format (``kvlayer.cacheserver.protocol``) gets an ``ERROR`` reply and closes tha
 only. The socket is created mode 0600 (0660 and the group's, with ``socket_group``, as is the
 arena file); with a token, ``HELLO`` must carry it. Each tenant (a chunk's salt tag) holds at
 most ``salt_quota`` bytes (``ChunkIndex``); ``metrics`` serves the accounting for Prometheus.
+The server verifies its own arena (``Scrubber``): every commit is hashed and sealed, and sealed
+chunks are hashed again at ``scrub_rate`` bytes per second.
 
 Run it with ``kvlayer cache-server`` (``kvlayer.cacheserver.cli``).
 """
@@ -29,6 +31,7 @@ from kvlayer.cacheserver import protocol as wire
 from kvlayer.cacheserver.arena import ArenaFile
 from kvlayer.cacheserver.index import ChunkIndex, Session
 from kvlayer.cacheserver.protocol import ErrorCode, Op, ProtocolError
+from kvlayer.cacheserver.scrub import Scrubber
 
 if TYPE_CHECKING:
     from kvlayer.cacheserver.lower import LowerTiers
@@ -44,12 +47,14 @@ class CacheServer:
 
     ``salt_quota``: the most bytes one tenant holds (None: no bound). ``socket_group``: the group
     given the socket and the arena file (mode 0660). ``metrics``: ``(host, port)`` of a
-    Prometheus ``/metrics`` endpoint, bound by ``start``.
+    Prometheus ``/metrics`` endpoint, bound by ``start``. ``scrub_rate``: bytes per second of
+    re-verifying sealed chunks (0: commits are sealed, never re-scrubbed).
     """
 
     def __init__(self, socket_path: str, capacity: int, token: str | None = None, *,
                  salt_quota: int | None = None, socket_group: str | None = None,
-                 metrics: tuple[str, int] | None = None, lower: LowerTiers | None = None) -> None:
+                 metrics: tuple[str, int] | None = None, lower: LowerTiers | None = None,
+                 scrub_rate: int = 512 << 20) -> None:
         """Checks its settings (``ValueError``: a size out of range, a group that does not exist)
         and claims the socket path (``ValueError`` if a server answers there) before it creates
         the arena file, since that removes the files earlier servers of this socket left."""
@@ -63,6 +68,11 @@ class CacheServer:
         _claim(socket_path)
         self.arena = ArenaFile.create(socket_path, capacity)
         self.index = ChunkIndex(self.arena.data_offset, capacity, salt_quota)
+        try:
+            self.scrub = Scrubber(self.index, self.arena.path, self.arena.size, scrub_rate)
+        except BaseException:
+            self.arena.unlink()
+            raise
         self.connections = 0
         self.accepted = 0
         self.refusals: Counter[str] = Counter()
@@ -75,6 +85,8 @@ class CacheServer:
             self._metrics = MetricsEndpoint(self, *metrics)
         self.lower = lower
         """The server's own NVMe/Redis tiers below the arena (``cacheserver/lower.py``), or None."""
+        self.on_announce: Callable[[bytes], None] | None = None
+        """Told each namespace a client ``ANNOUNCE``s (the controller link); cheap, never raising."""
         if lower is not None:
             lower.attach(self.arena.path, self.arena.size)
 
@@ -92,6 +104,7 @@ class CacheServer:
             for path in (self.socket_path, self.arena.path):
                 os.chown(path, -1, self._gid)
                 os.chmod(path, 0o660)
+        self.scrub.start()
         if self._metrics is not None:
             await self._metrics.start()
 
@@ -108,6 +121,7 @@ class CacheServer:
         """Stop listening; remove the socket (if this server bound it) and the arena file."""
         if self._metrics is not None:
             self._metrics.close()
+        self.scrub.close()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -119,7 +133,8 @@ class CacheServer:
         """The accounting ``STATS`` answers."""
         chunks, reserved, leases = self.index.counts()
         return wire.Stats(self.arena.epoch, self.index.capacity, self.index.used, chunks, reserved, leases,
-                          self.connections, self.index.evictions, self.index.refused)
+                          self.connections, self.index.evictions, self.index.refused, self.index.sealed,
+                          self.index.checksum_errors)
 
     # --- one connection -----------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -226,22 +241,25 @@ def _commit(server: CacheServer, session: Session, body: bytes) -> bytes:
     items = wire.parse_commit(body)
     fresh = [d for d, _ in items if d in session.reserved]
     n = server.index.commit(session, items)
+    server.scrub.wake()
     if server.lower is not None:
         server.lower.write_through(server.index, fresh)
     return wire.count(n)
 
 
 def _lease(server: CacheServer, session: Session, body: bytes) -> bytes | Awaitable[bytes]:
-    keys = wire.parse_keys(body)
-    leases = server.index.lease(session, keys)
+    items = wire.parse_reserve(body)
+    leases = server.index.lease(session, [item.key for item in items])
     if server.lower is None or all(x.status is not wire.Status.MISSING for x in leases):
         return wire.leases(leases)
-    return _promote(server.lower, server.index, session, keys, leases)
+    return _promote(server, server.lower, session, items, leases)
 
 
-async def _promote(lower: LowerTiers, index: ChunkIndex, session: Session, keys: list[wire.Key],
+async def _promote(server: CacheServer, lower: LowerTiers, session: Session, items: list[wire.Reserve],
                    leases: list[wire.Lease]) -> bytes:
-    return wire.leases(await lower.promote(index, session, keys, leases))
+    out = await lower.promote(server.index, session, items, leases)
+    server.scrub.wake()  # promoted chunks are sealed: the re-scrub has them in line now
+    return wire.leases(out)
 
 
 def _release(server: CacheServer, session: Session, body: bytes) -> bytes:
@@ -250,6 +268,14 @@ def _release(server: CacheServer, session: Session, body: bytes) -> bytes:
 
 def _remove(server: CacheServer, session: Session, body: bytes) -> bytes:
     return wire.count(server.index.remove(wire.parse_digests(body)))
+
+
+def _announce(server: CacheServer, session: Session, body: bytes) -> bytes:
+    if not 0 < len(body) <= wire.MAX_NAMESPACE:  # its content is the controller link's to check
+        raise ProtocolError(f"an announced namespace has {len(body)} bytes, 1..{wire.MAX_NAMESPACE} allowed")
+    if server.on_announce is not None:
+        server.on_announce(body)
+    return wire.count(1)
 
 
 def _stats(server: CacheServer, session: Session, body: bytes) -> bytes:
@@ -263,4 +289,5 @@ def _tenants(server: CacheServer, session: Session, body: bytes) -> bytes:
 
 
 HANDLERS: dict[int, Handler] = {Op.LOOKUP: _lookup, Op.RESERVE: _reserve, Op.COMMIT: _commit, Op.LEASE: _lease,
-                                Op.RELEASE: _release, Op.REMOVE: _remove, Op.STATS: _stats, Op.TENANTS: _tenants}
+                                Op.RELEASE: _release, Op.REMOVE: _remove, Op.STATS: _stats, Op.TENANTS: _tenants,
+                                Op.ANNOUNCE: _announce}

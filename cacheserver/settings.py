@@ -11,10 +11,29 @@ live here too; clients ignore them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlayer.sizes import parse_size
 from kvlayer.tier_settings import Setting, TierSettings
+
+
+class VerifyRule(NamedTuple):
+    """When a client may use a leased chunk without hashing it (``cache_server_verify``)."""
+
+    trust_seal: bool
+    """The server sealed it (hashed the arena bytes itself and found the checksum)."""
+    trust_record: bool
+    """This connection hashed the same commit before (``Link.is_verified``)."""
+    record_writes: bool
+    """A chunk this connection wrote and hashed counts as hashed by it."""
+
+
+VERIFY_RULES = {"server": VerifyRule(True, True, True), "first": VerifyRule(False, True, False),
+                "always": VerifyRule(False, False, False)}
+"""``cache_server_verify`` (docs/cache-server.md, "What is verified"): ``server`` hashes what the
+server has not sealed, once per connection; ``first`` every commit once per connection, sealed
+or not; ``always`` every lease."""
+VERIFY_MODES = tuple(VERIFY_RULES)
 
 
 def quota_bytes(value: str, capacity: int) -> int:
@@ -43,6 +62,9 @@ def _check(section: Mapping[str, Any]) -> None:
         raise ValueError(f"cache_server must be a Unix socket path of at most 107 bytes, got {server!r}")
     if section["salt_quota"] is not None:
         quota_bytes(section["salt_quota"], 1)
+    if section["server_verify"] not in VERIFY_MODES:
+        raise ValueError(f"cache_server_verify must be one of {', '.join(VERIFY_MODES)}, "
+                         f"got {section['server_verify']!r}")
     if not 0 <= section["metrics_port"] <= 65535:
         raise ValueError(f"cache_metrics_port must be in 0..65535 (0: off), got {section['metrics_port']}")
 
@@ -51,6 +73,9 @@ CACHE = TierSettings(
     (Setting("server", "str | None", None, "Unix socket of a kvlayer cache-server whose shared CPU tier this "
                                            "process uses; unset = off"),
      Setting("server_token", "str | None", None, "token presented to the cache server on connect"),
+     Setting("server_verify", "str", "server", "which leased chunks this process hashes: server (those the "
+                                               "server has not sealed), first (each commit once per "
+                                               "connection), always (every lease)"),
      Setting("salt_quota", "str | None", None, "server: the most one tenant (cache_salt) holds, a size "
                                                "(\"2GiB\") or a fraction of the arena (\"0.25\"); unset = none"),
      Setting("socket_group", "str | None", None, "server: group of the socket and arena file, then mode 0660"),

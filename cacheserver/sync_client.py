@@ -71,9 +71,11 @@ class SyncClient:
         """Commit this connection's reservations; how many it committed."""
         return wire.parse_count(self.call(Op.COMMIT, wire.commit(items)))
 
-    def lease(self, keys: list[wire.Key]) -> list[wire.Lease]:
-        """A lease per held key (``MISSING`` for the others), kept until released or closed."""
-        return wire.parse_leases(self.call(Op.LEASE, wire.keys(keys)))
+    def lease(self, items: list[wire.Key] | list[wire.Reserve]) -> list[wire.Lease]:
+        """A lease per held key (``MISSING`` for the others), kept until released or closed. A
+        bare key is of size 0 (not known: only the arena answers it) and the default tenant."""
+        wanted = [x if isinstance(x, wire.Reserve) else wire.Reserve(x, 0) for x in items]
+        return wire.parse_leases(self.call(Op.LEASE, wire.reserve(wanted)))
 
     def release(self, digests: list[bytes]) -> int:
         """Give back one lease (or reservation) per digest; how many were released."""

@@ -7,10 +7,12 @@ chunk it hands out is a view of the server's shared arena (``kvlayer.cacheserver
 - ``reserve`` gets ranges the engine's save gathers straight into; ``put_many`` commits them (one
   copy, engine -> arena). A chunk from elsewhere (staging, a lower tier) is copied into a fresh
   range first.
-- ``get_many`` takes a lease per hit and answers the arena's own bytes (one copy, arena ->
-  engine, by the caller), each checked against its epoch, and against its xxh3 checksum the
-  first time this link reads that commit (``Link.is_verified``); releasing the object gives the
-  lease back.
+- ``get_many`` takes a lease per hit (naming the chunk's size and tenant, for a chunk the server
+  promotes from its lower tiers) and answers the arena's own bytes (one copy, arena -> engine, by
+  the caller), each checked against its epoch and bounds, and hashed (xxh3) as
+  ``cache_server_verify`` says (``settings.VERIFY_RULES``): by default only a chunk the server
+  has not sealed, once per commit and connection (``Link.is_verified``). Releasing the object
+  gives the lease back.
 
 Failures: a server that is down, dies or refuses is an exception for the tier guard
 (``kvlayer.tier_guard``): a miss, a counter, and the core's health backoff before the next try,
@@ -20,8 +22,11 @@ each of which connects again. Nothing here raises into the engine.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import xxhash
@@ -29,11 +34,14 @@ import xxhash
 from kvlayer.cacheserver import protocol as wire
 from kvlayer.cacheserver.client import Link
 from kvlayer.cacheserver.protocol import Op, Status
+from kvlayer.cacheserver.settings import VERIFY_RULES
 from kvlayer.keys import ChunkKey
 from kvlayer.layout import KVLayout
 from kvlayer.memory import MemoryObj, release_all
 from kvlayer.storage import BackendContext, StorageBackend, check_batch
 
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads hashing the chunks of one lease batch side by side (at most 4, at most the cores)."""
 STATS_EVERY_S = 1.0
 """How often (at most) a call also asks the server for its accounting (``usage``, ``stats``)."""
 
@@ -47,21 +55,27 @@ def _batches(items: Sequence, n: int = wire.MAX_ITEMS) -> list[Sequence]:
 
 
 class CacheServerBackend(StorageBackend):
-    """The shared CPU tier of the server at ``socket_path``; rank 10, in memory."""
+    """The shared CPU tier of the server at ``socket_path``; rank 10, in memory. ``verify``: one
+    of ``settings.VERIFY_MODES`` (``KeyError`` otherwise)."""
 
     name = "cache"
     rank = 10
     in_memory = True
 
-    def __init__(self, socket_path: str, token: str | None, layout: KVLayout) -> None:
+    def __init__(self, socket_path: str, token: str | None, layout: KVLayout,
+                 device: torch.device | None = None, *, namespace: bytes = b"", verify: str = "server") -> None:
         self._path = socket_path
+        self._namespace = namespace  # announced on each connect (wire.ANNOUNCE), when known
+        self._device = device  # the engine's: on CUDA the mapped arena is registered as pinned memory
         self._token = token
         self._layout = layout
+        self._verify = VERIFY_RULES[verify]
         self._link: Link | None = None
         self._connecting = asyncio.Lock()
-        self._server = wire.Stats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._server = wire.Stats(*[0] * len(wire.Stats._fields))
         self._stats_at = 0.0
-        self._counts = {"checksum_errors": 0, "bad_leases": 0, "skipped_full": 0, "connects": 0, "verified": 0}
+        self._counts = {"checksum_errors": 0, "bad_leases": 0, "skipped_full": 0, "connects": 0, "verified": 0,
+                        "sealed_leases": 0}
 
     @classmethod
     def create(cls, ctx: BackendContext) -> CacheServerBackend | None:
@@ -69,7 +83,8 @@ class CacheServerBackend(StorageBackend):
         section = ctx.tier_settings(cls.name)
         if section["server"] is None:
             return None
-        return cls(section["server"], section["server_token"], ctx.layout)
+        return cls(section["server"], section["server_token"], ctx.layout, ctx.device,
+                   namespace=_announced(ctx), verify=section["server_verify"])
 
     # --- reads --------------------------------------------------------------------------
     async def contains_prefix(self, keys: Sequence[ChunkKey]) -> int:
@@ -90,36 +105,71 @@ class CacheServerBackend(StorageBackend):
         out: list[MemoryObj | None] = []
         try:
             for batch in _batches(keys):
-                leases = wire.parse_leases(await link.call(Op.LEASE, wire.keys([_wire_key(k) for k in batch])))
+                wanted = [wire.Reserve(_wire_key(k), self._nbytes(k), k.tenant) for k in batch]
+                leases = wire.parse_leases(await link.call(Op.LEASE, wire.reserve(wanted)))
                 if len(leases) != len(batch):
                     raise wire.ProtocolError(f"{len(leases)} leases for {len(batch)} keys")
-                out += [self._adopt(link, key, lease) for key, lease in zip(batch, leases)]
+                fits = [self._fits(link, key, lease) for key, lease in zip(batch, leases)]
+                good = await self._hashed(link, batch, leases, fits)
+                out += [link.hand_out(lease.offset, key.digest, self._shape(key), self._layout.dtype, lease=True)
+                        if ok else None for key, lease, ok in zip(batch, leases, good)]
         except BaseException:
             release_all(o for o in out if o is not None)
             raise
         await self._refresh(link)
         return out
 
-    def _adopt(self, link: Link, key: ChunkKey, lease: wire.Lease) -> MemoryObj | None:
+    def _shape(self, key: ChunkKey) -> tuple[int, ...]:
+        return self._layout.chunk_shape(key.num_tokens, len(key.layers))
+
+    def _nbytes(self, key: ChunkKey) -> int:
+        return _nbytes(self._shape(key), self._layout.dtype)
+
+    def _fits(self, link: Link, key: ChunkKey, lease: wire.Lease) -> bool:
+        """Whether a lease granted is a range of this arena's epoch of exactly the chunk's size;
+        one that is not is released and counted."""
         if lease.status is not Status.OK:
-            return None
-        shape = self._layout.chunk_shape(key.num_tokens, len(key.layers))
-        nbytes = _nbytes(shape, self._layout.dtype)
-        if lease.size != nbytes or not link.in_data(lease.offset, nbytes, 16) or not link.epoch_ok():
-            self._counts["bad_leases"] += 1
-            self._log_fault("lease", "a lease of %d bytes at %d does not fit a %d-byte chunk of this arena",
-                            lease.size, lease.offset, nbytes)
-            link.release_later([key.digest])
-            return None
-        if not link.is_verified(lease.offset, key.digest, nbytes, lease.checksum):
-            if self._checksum(link, lease.offset, nbytes) != lease.checksum:
+            return False
+        nbytes = self._nbytes(key)
+        if lease.size == nbytes and link.in_data(lease.offset, nbytes, 16) and link.epoch_ok():
+            return True
+        self._counts["bad_leases"] += 1
+        self._log_fault("lease", "a lease of %d bytes at %d does not fit a %d-byte chunk of this arena",
+                        lease.size, lease.offset, nbytes)
+        link.release_later([key.digest])
+        return False
+
+    async def _hashed(self, link: Link, keys: Sequence[ChunkKey], leases: Sequence[wire.Lease],
+                      fits: Sequence[bool]) -> list[bool]:
+        """Per lease, whether it may be handed out: it fits and its bytes match its checksum, hashed
+        unless the verify rule trusts the server's seal or this link's record of that commit;
+        hashes run on ``HASH_THREADS`` threads (xxhash releases the GIL). A range that fails is
+        released and counted."""
+        todo = [i for i, ok in enumerate(fits) if ok and self._to_hash(link, keys[i], leases[i])]
+        loop = asyncio.get_running_loop()
+        sums = await asyncio.gather(*(loop.run_in_executor(_hash_pool(), _checksum, link, leases[i].offset,
+                                                           leases[i].size) for i in todo))
+        good = list(fits)
+        for i, got in zip(todo, sums):
+            key, lease = keys[i], leases[i]
+            if got != lease.checksum:
+                good[i] = False
                 self._counts["checksum_errors"] += 1
                 self._log_fault("checksum", "chunk %s fails its checksum", key.hex[:16])
                 link.release_later([key.digest])
-                return None
-            link.verified(lease.offset, key.digest, nbytes, lease.checksum)
+                continue
+            link.verified(lease.offset, key.digest, lease.size, lease.checksum)
             self._counts["verified"] += 1
-        return link.hand_out(lease.offset, key.digest, shape, self._layout.dtype, lease=True)
+        return good
+
+    def _to_hash(self, link: Link, key: ChunkKey, lease: wire.Lease) -> bool:
+        """Whether a lease that fits must be hashed before use (``sealed_leases`` counts those
+        taken on the server's seal)."""
+        rule = self._verify
+        if rule.trust_seal and lease.sealed:
+            self._counts["sealed_leases"] += 1
+            return False
+        return not (rule.trust_record and link.is_verified(lease.offset, key.digest, lease.size, lease.checksum))
 
     # --- writes -------------------------------------------------------------------------
     async def reserve(self, keys: Sequence[ChunkKey]) -> list[MemoryObj | None]:
@@ -163,13 +213,18 @@ class CacheServerBackend(StorageBackend):
                         view.copy_(chunks[i].tensor.reshape(-1))
                         commits.append((i, offset))
             for batch in _batches(commits):
-                items = [(keys[i].digest, self._checksum(link, offset, chunks[i].nbytes)) for i, offset in batch]
+                loop = asyncio.get_running_loop()
+                sums = await asyncio.gather(*(loop.run_in_executor(_hash_pool(), _checksum, link, offset,
+                                                                   chunks[i].nbytes) for i, offset in batch))
+                items = [(keys[i].digest, checksum) for (i, _), checksum in zip(batch, sums)]
                 done = wire.parse_count(await link.call(Op.COMMIT, wire.commit(items)))
                 if done != len(items):  # the server lost reservations it granted: trust none of it
                     link.broken()
                     raise ConnectionError(f"the cache server committed {done} of {len(items)} chunks")
-                for i, offset in batch:
+                for (i, offset), (_, checksum) in zip(batch, items):
                     link.committed(offset)
+                    if self._verify.record_writes:  # we hashed what we wrote
+                        link.verified(offset, keys[i].digest, chunks[i].nbytes, checksum)
                     stored[i] = True
         except BaseException:
             link.release_later([keys[i].digest for i in fresh if not stored[i]])
@@ -180,7 +235,7 @@ class CacheServerBackend(StorageBackend):
 
     async def _reserve(self, link: Link, keys: Sequence[ChunkKey], hand_out: bool) -> list:
         """Reserve ``keys``: per key an object (``hand_out``) or the bare offset, None where refused."""
-        sizes = [_nbytes(self._layout.chunk_shape(k.num_tokens, len(k.layers)), self._layout.dtype) for k in keys]
+        sizes = [self._nbytes(k) for k in keys]
         body = wire.reserve([wire.Reserve(_wire_key(k), n, k.tenant) for k, n in zip(keys, sizes)])
         slots = wire.parse_slots(await link.call(Op.RESERVE, body))
         if len(slots) != len(keys):
@@ -205,10 +260,6 @@ class CacheServerBackend(StorageBackend):
             link.release_later(bad)
         return out
 
-    @staticmethod
-    def _checksum(link: Link, offset: int, nbytes: int) -> int:
-        return xxhash.xxh3_64_intdigest(link.view[offset:offset + nbytes])
-
     async def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Remove the keys held and unleased (by any process); how many were removed."""
         link = await self._connected()
@@ -225,11 +276,13 @@ class CacheServerBackend(StorageBackend):
 
     def stats(self) -> dict[str, int]:
         """This client's counters (checksum_errors, bad_leases, skipped_full, connects, verified:
-        leases hashed, held: live objects of this process) and the server's accounting as of its
-        last answer (server_*)."""
+        leases hashed, sealed_leases: leases used on the server's seal without hashing, held: live
+        objects of this process, mapped: 1 once the link's mapping is prepared, ``Link.prefault``)
+        and the server's accounting as of its last answer (server_*)."""
         link = self._link
         server = {f"server_{k}": v for k, v in self._server._asdict().items() if k != "epoch"}
-        return {**self._counts, "held": link.holding if link is not None else 0, **server}
+        return {**self._counts, "held": link.holding if link is not None else 0,
+                "mapped": int(link is not None and link.prefault.done), **server}
 
     async def close(self) -> None:
         """Close the connection: the server releases every claim of this process."""
@@ -246,7 +299,9 @@ class CacheServerBackend(StorageBackend):
         async with self._connecting:
             if self._link is None or not self._link.alive:
                 self._link = None
-                self._link = await Link.open(self._path, self._token)
+                self._link = await Link.open(self._path, self._token, self._device)
+                if self._namespace:  # the server registers its chunks with the controller under it
+                    await self._link.call(Op.ANNOUNCE, self._namespace)
                 self._counts["connects"] += 1
                 self._stats_at = 0.0
             link = self._link
@@ -258,6 +313,33 @@ class CacheServerBackend(StorageBackend):
         if now - self._stats_at >= STATS_EVERY_S:
             self._stats_at = now
             self._server = wire.parse_stats(await link.call(Op.STATS, b""))
+
+
+def _announced(ctx: BackendContext) -> bytes:
+    """The engine's key namespace as ``ANNOUNCE`` carries it (b"" where the context has none)."""
+    if ctx.namespace is None:
+        return b""
+    from kvlayer.controller.wire import namespace_to_wire
+
+    return namespace_to_wire(ctx.namespace, ctx.config.save_partial_chunks).SerializeToString(deterministic=True)
+
+
+def _checksum(link: Link, offset: int, nbytes: int) -> int:
+    """The xxh3 checksum of the arena's bytes ``[offset, offset + nbytes)``."""
+    return xxhash.xxh3_64_intdigest(link.view[offset:offset + nbytes])
+
+
+_hash_threads: list[ThreadPoolExecutor] = []
+_hash_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """The executor that hashes leased chunks (``HASH_THREADS`` threads, made on first use, shared
+    by every link of the process)."""
+    with _hash_lock:
+        if not _hash_threads:
+            _hash_threads.append(ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvlayer-hash"))
+        return _hash_threads[0]
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

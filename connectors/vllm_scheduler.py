@@ -6,9 +6,10 @@ channel (``lookup_channel``), asked again at most every ``REUSE_LOOKUP_S`` while
 request waiting. Hits are whole vLLM blocks and leave at least one prompt token to compute
 (vLLM's rule). Per step it keeps each request's block table as vLLM's ``SchedulerOutput``
 reports it and returns the tracker's ``StepSpec``. A missing worker is a miss, never an error.
-With ``async_loads`` on, a hit with a chunk from a tier below memory (``lower_tiers``) loads
-asynchronously: vLLM keeps the request waiting, the step after its allocation carries the load
-in ``StepSpec.async_loads``, and the request is scheduled once the workers report it loaded.
+With ``async_loads`` on, a hit with a chunk from a tier below memory
+(``kvlayer.async_loads.lower_tiers``) loads asynchronously: vLLM keeps the request waiting, the
+step after its allocation carries the load in ``StepSpec.async_loads``, and the request is
+scheduled once the workers report it loaded.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from kvlayer.async_loads import below_memory, lower_tiers
+from kvlayer.cache_groups import KVCacheGroups
 from kvlayer.config import KVLayerConfig
 from kvlayer.connectors.lookup_channel import MISS, Answer
-from kvlayer.connectors.vllm_groups import KVCacheGroups, block_tables, released_before
-from kvlayer.registry import available_backends
+from kvlayer.connectors.vllm_groups import block_tables
 from kvlayer.requests import RequestTracker, SavePolicy
 from kvlayer.step import LoadSpec, SaveSpec, StepSpec
 from kvlayer.windows import Found
@@ -69,22 +71,6 @@ class RankedLookups:
         return (found, ()) if found else MISS
 
 
-def lower_tiers(config: KVLayerConfig) -> frozenset[int]:
-    """The indices, in the workers' tier order (``kvlayer.registry.build_backends``: by rank, then
-    name), of the tiers ``config`` enables that are not in memory (NVMe, Redis; not the cache
-    server). Worked out from the config, as the workers build their tiers: a tier that builds
-    nothing (a custom one) can shift the indices, which costs a sync or an async load where the
-    other was meant, never a wrong token."""
-    enabled = []
-    for name, ep in available_backends().items():
-        section = config.tiers.get(name)
-        if section is not None and not section.enabled:
-            continue
-        cls = ep.load()
-        enabled.append((cls.rank, name, bool(cls.in_memory)))
-    return frozenset(i for i, (_, _, in_memory) in enumerate(sorted(enabled)) if not in_memory)
-
-
 class SchedulerSide:
     """The connector's scheduler-side state for ``config`` with vLLM blocks of ``block_size``;
     ``groups``: vLLM's KV-cache groups (several under its hybrid manager; None: one)."""
@@ -95,29 +81,22 @@ class SchedulerSide:
         self._lookups = lookups
         policy = SavePolicy(config.chunk_size, config.save_decode_cache, config.save_partial_chunks)
         self._tracker = RequestTracker(self._ask, policy, block_size, align=block_size, reuse_s=REUSE_LOOKUP_S,
-                                       verify_fraction=config.verify_fraction,
-                                       layer_groups=groups.grouped if groups is not None else ())
-        # each group's window where one slides: vLLM releases the blocks before it as requests run
-        self._windows = groups.group_windows if groups is not None and groups.layer_windows else ()
+                                       verify_fraction=config.verify_fraction, groups=groups)
         self._lower = lower_tiers(config) if config.async_loads else None
         # vLLM takes a failed load of several KV-cache groups only per request, of an async load
         self._every_async = groups is not None and groups.num_groups > 1
-        self._sources: dict[str, tuple[int, ...]] = {}  # each request's last lookup: the tier of each chunk
-        self._starts: dict[str, int] = {}  # vLLM's own computed tokens at the last ``matched``
-        self._admitted: dict[str, int] = {}  # async loads allocated, for the next step: request -> start
-        self._loading: set[str] = set()  # async loads handed to the workers, the request not scheduled yet
-        self.async_loads = 0
+
+    @property
+    def async_loads(self) -> int:
         """Loads handed to the workers as async loads."""
+        return self._tracker.async_loads
 
     def _ask(self, rid: str, token_ids: Sequence[int], salt: str | None, start: int, limit: int) -> Found:
         found, sources = self._lookups.lookup(token_ids, salt, request_id=rid, start=start, limit=limit)
-        self._sources[rid] = tuple(sources)
-        return Found(found, (), sources, start)
+        return Found(found, (), tuple(sources), start)
 
     def matched(self, request: Any, num_computed: int) -> int:
         """How many tokens after vLLM's own ``num_computed`` kvlayer can load for ``request``."""
-        self._starts[request.request_id] = num_computed
-        self._loading.discard(request.request_id)  # looked up again: its async load failed from its first block
         return self._tracker.matched(request.request_id, request.all_token_ids, request.num_prompt_tokens,
                                      request.cache_salt, num_computed)
 
@@ -127,8 +106,7 @@ class SchedulerSide:
         disagreed on the tiers (each worker then looks again, maybe below memory)."""
         if self._every_async:
             return True
-        sources = self._sources.get(request_id, ())
-        return self._lower is not None and (not sources or any(s in self._lower for s in sources))
+        return self._lower is not None and below_memory(self._tracker.found(request_id).sources, self._lower)
 
     def allocated(self, request: Any, block_ids: Sequence[int], num_external: int,
                   groups: Sequence[Sequence[int]] = ()) -> None:
@@ -138,12 +116,7 @@ class SchedulerSide:
         done, with more blocks and nothing to load."""
         rid = request.request_id
         ids, tables = block_tables(block_ids, groups)
-        if rid in self._loading:
-            self._tracker.set_blocks(rid, ids, tables)
-            return
-        self._tracker.allocated(rid, ids, num_external, tables)
-        if num_external > 0 and self.loads_async(rid):
-            self._admitted[rid] = self._starts.get(rid, 0)
+        self._tracker.allocated(rid, ids, num_external, tables, num_external > 0 and self.loads_async(rid))
 
     def build(self, out: Any) -> StepSpec:
         """This step's loads and saves from vLLM's ``SchedulerOutput`` ``out``."""
@@ -154,28 +127,17 @@ class SchedulerSide:
         loads: list[LoadSpec] = []
         saves: list[SaveSpec] = []
         for rid, computed in self._scheduled(out):
-            self._loading.discard(rid)
-            self._admitted.pop(rid, None)  # scheduled at once: vLLM took the load as a sync one
             load, save = self._tracker.step(rid, computed, out.num_scheduled_tokens.get(rid, 0))
             loads += [load] if load is not None else []
             saves += [save] if save is not None else []
-        waiting: list[LoadSpec] = []
-        for rid, start in self._admitted.items():  # not scheduled: vLLM waits for their KV
-            load, save = self._tracker.step(rid, start, 0)
-            if load is not None:
-                waiting.append(load)
-                self._loading.add(rid)
-            saves += [save] if save is not None else []
-        self._admitted = {}
-        self.async_loads += len(waiting)
-        return StepSpec(tuple(loads), tuple(saves), tuple(waiting))
+        waiting, more = self._tracker.take_async_loads()  # not scheduled: vLLM waits for their KV
+        return StepSpec(tuple(loads), tuple(saves + more), tuple(waiting))
 
     def _scheduled(self, out: Any) -> Iterable[tuple[str, int]]:
         """``(request id, computed tokens before this step)`` of every scheduled request, keeping
         each one's block ids current (new blocks appended; a resumed request's replaced)."""
         for new in out.scheduled_new_reqs:
             self._tracker.set_blocks(new.req_id, *block_tables(new.block_ids[0], new.block_ids))
-            self._released(new.req_id, new.num_computed_tokens)
             yield new.req_id, new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
@@ -185,22 +147,12 @@ class SchedulerSide:
                 self._tracker.set_blocks(rid, *block_tables(added[0], added) if added else ([], []))
             elif added:
                 self._tracker.add_blocks(rid, *block_tables(added[0], added))
-            self._released(rid, cached.num_computed_tokens[i])
             yield rid, cached.num_computed_tokens[i]
-
-    def _released(self, rid: str, computed: int) -> None:
-        """The blocks vLLM's sliding-window groups released before this step (it may hand them to
-        other requests within it): kvlayer must not copy them out any more."""
-        if self._windows:
-            self._tracker.released(rid, released_before(self._windows, computed))
 
     def finished(self, request_id: str) -> None:
         """``request_id`` finished or was aborted: forget it (an async load of its own still
         running is the workers' to finish; vLLM frees its blocks once they report it)."""
         self._tracker.finished(request_id)
-        for table in (self._sources, self._starts, self._admitted):
-            table.pop(request_id, None)
-        self._loading.discard(request_id)
 
     def load_failed(self, block_ids: set[int]) -> None:
         """The workers could not load ``block_ids``: vLLM recomputes them, and the chunks from the

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 class KVLayerStats(KVConnectorStats):
-    """kvlayer's counts for vLLM's connector stats (``vllm_worker.STAT_NAMES``): plain ints,
+    """kvlayer's counts for vLLM's connector stats (``kvlayer.step_stats.STAT_NAMES``): plain ints,
     summed over steps and workers; vLLM logs them as "KV Transfer metrics"."""
 
     def reset(self) -> None:

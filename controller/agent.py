@@ -9,58 +9,34 @@ out the commands the controller sends (``agent_commands``), answering each on th
 
 When the controller is away the engine keeps serving: the agent retries with exponential
 backoff (with jitter) and, once back, registers and snapshots again, so the controller's
-registry is rebuilt. Nothing here blocks or raises into the engine: the listener callbacks
-only append to a bounded buffer (past its bound the agent resynchronises with a new
-snapshot), and every failure is logged and retried.
+registry is rebuilt (the stream itself is ``instance_link.InstanceLink``, shared with the node
+cache server's link). A tier that another process reports (``shared_tiers.REPORTED_ELSEWHERE``:
+the ``cache`` tier, which the cache server registers itself) is registered with its shared id,
+but its chunks are left out of the snapshot and the events. Nothing here blocks or raises into
+the engine: the listener callbacks only append to a bounded buffer (past its bound the agent
+resynchronises with a new snapshot), and every failure is logged and retried.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import random
 import threading
-import time
-from collections.abc import Iterator, Sequence
-from urllib.parse import urlsplit
-
-import grpc
+from collections.abc import Sequence
 
 from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.config import KVLayerConfig
 from kvlayer.controller import controller_pb2 as pb
-from kvlayer.controller import controller_pb2_grpc as pb_grpc
 from kvlayer.controller.agent_commands import run_command
 from kvlayer.controller.auth import bearer
-from kvlayer.controller.channel import aio_channel, parse_target
+from kvlayer.controller.channel import parse_target
 from kvlayer.controller.events import EventBuffer
+from kvlayer.controller.instance_link import MAX_BUFFERED, InstanceLink
+from kvlayer.controller.shared_tiers import REPORTED_ELSEWHERE, SHARED_TIERS
 from kvlayer.controller.wire import STAT_FIELDS, namespace_to_wire
 
 log = logging.getLogger(__name__)
-
-BATCH = 8192
-"""Digests per snapshot or event message (8192 x 34 bytes stays far below message limits)."""
-EVENT_PERIOD_S = 0.05
-"""How often buffered events are sent."""
-MAX_BUFFERED = 1_000_000
-"""Digests buffered before the agent gives up on events and resynchronises."""
-
-
-def _redis_shared_id(config: KVLayerConfig) -> str:
-    """The same Redis (and key prefix) gives the same id, whatever the credentials in the URL."""
-    url = urlsplit(config.redis_url or "")
-    place = f"{url.scheme}://{url.hostname}:{url.port}{url.path}|{config.redis_key_prefix}|{config.redis_cluster}"
-    return "redis-" + hashlib.blake2b(place.encode(), digest_size=8).hexdigest()
-
-
-SHARED_TIERS = {"redis": _redis_shared_id}
-"""Tiers other instances reach too, by name -> the shared store's id for a configuration."""
-
-
-class ResyncNeeded(Exception):
-    """Events were lost (buffer bound reached): reconnect and send a new snapshot."""
 
 
 class ControllerAgent:
@@ -74,20 +50,22 @@ class ControllerAgent:
     def __init__(self, kv: KVCacheEngine, url: str, token: str | None = None, *, address: str = "",
                  backoff_s: tuple[float, float] = (0.2, 5.0)) -> None:
         self._kv = kv
-        self._target = parse_target(url)
-        self._metadata = bearer(token)
         self._address = address
-        self._backoff = backoff_s
         self._events = EventBuffer(MAX_BUFFERED)
+        self._link = InstanceLink(self, parse_target(url), bearer(token), self._events, backoff_s)
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
         self._thread: threading.Thread | None = None
-        self._connected = threading.Event()
-        self._was_connected = False
-        self.last_error: str | None = None
+
+    @property
+    def last_error(self) -> str | None:
         """Why the last connection attempt failed or ended ("CODE: details"); None before any."""
-        self.registrations = 0
+        return self._link.last_error
+
+    @property
+    def registrations(self) -> int:
         """How many times the agent has registered (and snapshotted); for tests and logs."""
+        return self._link.registrations
 
     @property
     def instance_id(self) -> str:
@@ -97,7 +75,7 @@ class ControllerAgent:
     @property
     def connected(self) -> bool:
         """Whether the agent is registered and streaming right now."""
-        return self._connected.is_set()
+        return self._link.connected
 
     def start(self) -> None:
         """Listen to the tiers and start connecting in the background (idempotent)."""
@@ -124,16 +102,18 @@ class ControllerAgent:
     # --- TierListener (called on the I/O loop thread: cheap, never raises) ---------------
     def on_admit(self, tier: str, digests: Sequence[bytes]) -> None:
         """``TierListener``: chunks entered ``tier``."""
-        self._events.add(tier, True, digests)
+        if tier not in REPORTED_ELSEWHERE:
+            self._events.add(tier, True, digests)
 
     def on_evict(self, tier: str, digests: Sequence[bytes]) -> None:
         """``TierListener``: chunks left ``tier``."""
-        self._events.add(tier, False, digests)
+        if tier not in REPORTED_ELSEWHERE:
+            self._events.add(tier, False, digests)
 
     # --- the background thread ------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self._loop.run_until_complete(self._run())
+            self._loop.run_until_complete(self._link.run(self._stop))
             # A command may still run on a worker thread: ``close()`` returns after it, before
             # the engine it uses is closed.
             self._loop.run_until_complete(self._loop.shutdown_default_executor())
@@ -142,107 +122,24 @@ class ControllerAgent:
         finally:
             self._loop.close()
 
-    async def _run(self) -> None:
-        delay, logged = self._backoff[0], None
-        while not self._stop.is_set():
-            error = await self._attempt()
-            if self._stop.is_set():
-                break
-            if self._was_connected:
-                delay, logged = self._backoff[0], None
-            self.last_error = _describe(error) if error is not None else "the stream ended"
-            if self.last_error != logged:  # one line per new reason, not one per retry
-                log.warning("kvlayer agent: controller %s: %s; retrying with backoff",
-                            self._target.address, self.last_error)
-                logged = self.last_error
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay * random.uniform(0.8, 1.2))
-            delay = min(delay * 2, self._backoff[1])
+    # --- InstanceSource (on the agent's loop; the engine's calls run on worker threads) ---
+    async def snapshot(self) -> dict[str, list[bytes]]:
+        """``InstanceSource``: the engine's tiers' digests (not those another process reports)."""
+        snapshot = await asyncio.to_thread(self._kv.snapshot)
+        return {tier: digests for tier, digests in snapshot.items() if tier not in REPORTED_ELSEWHERE}
 
-    async def _attempt(self) -> BaseException | None:
-        """One connection, until it fails or the agent stops; returns its error."""
-        session = asyncio.ensure_future(self._session())
-        stopper = asyncio.ensure_future(self._stop.wait())
-        await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        self._was_connected = self.connected
-        self._connected.clear()
-        self._events.record(False)
-        session.cancel()
-        try:
-            await session
-        except asyncio.CancelledError:
-            return None
-        except Exception as e:
-            return e
-        return None
+    async def heartbeat(self) -> pb.Heartbeat:
+        """``InstanceSource``: per-tier counters from ``kv.stats()``."""
+        return await asyncio.to_thread(self._heartbeat)
 
-    async def _session(self) -> None:
-        async with aio_channel(self._target) as channel:
-            call = pb_grpc.InstanceServiceStub(channel).Connect(metadata=self._metadata)
-            try:
-                self._events.record(True)  # before the snapshot: nothing falls between the two
-                await call.write(pb.InstanceMessage(register=self._registration()))
-                first = await call.read()
-                if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
-                    raise ConnectionError("the controller did not acknowledge the registration")
-                interval = min(max(first.registered.heartbeat_interval_ms / 1000, 0.05), 60.0)
-                snapshot = await asyncio.to_thread(self._kv.snapshot)
-                for part in _snapshot_parts(snapshot):
-                    await call.write(pb.InstanceMessage(snapshot=part))
-                self.registrations += 1
-                self._connected.set()
-                log.info("kvlayer agent: registered %s with the controller at %s", self.instance_id,
-                         self._target.address)
-                await self._exchange(call, interval)
-            finally:
-                call.cancel()
-
-    async def _exchange(self, call: grpc.aio.StreamStreamCall, interval: float) -> None:
-        """Events, heartbeats and command replies out; commands in; until either side fails."""
-        outbox: asyncio.Queue[pb.InstanceMessage] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._write_loop(call, outbox, interval)),
-                 asyncio.ensure_future(self._read_loop(call, outbox))]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _write_loop(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[pb.InstanceMessage],
-                          interval: float) -> None:
-        next_beat = 0.0
-        while True:
-            message = None
-            with contextlib.suppress(TimeoutError):
-                message = await asyncio.wait_for(outbox.get(), EVENT_PERIOD_S)
-            if self._events.overflowed:
-                raise ResyncNeeded("too many events buffered; resynchronising")
-            # Events first: a command's own admissions and evictions reach the registry before
-            # its reply, so the registry is current when the admin call returns.
-            for event in self._events.drain(BATCH):
-                await call.write(pb.InstanceMessage(event=event))
-            if message is not None:
-                await call.write(message)
-            if time.monotonic() >= next_beat:
-                beat = await asyncio.to_thread(self._heartbeat)
-                await call.write(pb.InstanceMessage(heartbeat=beat))
-                next_beat = time.monotonic() + interval
-
-    async def _read_loop(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[pb.InstanceMessage]) -> None:
-        while True:
-            message = await call.read()
-            if message is grpc.aio.EOF:
-                raise ConnectionError("the controller closed the stream")
-            if message.WhichOneof("body") == "command":
-                reply = await asyncio.to_thread(run_command, self._kv, message.command)
-                outbox.put_nowait(pb.InstanceMessage(reply=reply))
+    async def command(self, command: pb.Command) -> pb.CommandReply:
+        """``InstanceSource``: ``agent_commands.run_command`` on a worker thread."""
+        return await asyncio.to_thread(run_command, self._kv, command)
 
     # --- messages -------------------------------------------------------------------------
-    def _registration(self) -> pb.Register:
+    def registration(self) -> pb.Register:
+        """``InstanceSource``: the instance, its namespace and its tiers (a shared one with its
+        store's id, ``shared_tiers.SHARED_TIERS``)."""
         kv = self._kv
         pinnable = kv.pinnable_tiers()
         tiers = []
@@ -263,22 +160,6 @@ class ControllerAgent:
             healthy = bool(values.get("health", {}).get("healthy", True))
             tiers.append(pb.TierStats(tier=name, healthy=healthy, **counts))
         return pb.Heartbeat(tiers=tiers)
-
-
-def _snapshot_parts(snapshot: dict[str, list[bytes]]) -> Iterator[pb.SnapshotPart]:
-    """The snapshot in parts of at most ``BATCH`` digests; the last one is ``final``."""
-    parts = [pb.SnapshotPart(tier=tier, digests=digests[i : i + BATCH])
-             for tier, digests in snapshot.items() for i in range(0, len(digests), BATCH)]
-    if not parts:
-        parts = [pb.SnapshotPart()]
-    parts[-1].final = True
-    yield from parts
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    return f"{type(error).__name__}: {error}"
 
 
 def start_agent(kv: KVCacheEngine, config: KVLayerConfig, address: str = "") -> ControllerAgent | None:

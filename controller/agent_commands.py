@@ -38,7 +38,7 @@ Handler = Callable[[KVCacheEngine, pb.Command, list[ChunkKey]], Done]
 """(kv, command, the command's chunk keys) -> what it did."""
 
 
-def _covered(keys: Sequence[ChunkKey], n: int) -> int:
+def covered(keys: Sequence[ChunkKey], n: int) -> int:
     """Tokens of the first ``n`` keys."""
     return keys[min(n, len(keys)) - 1].end if n and keys else 0
 
@@ -60,12 +60,12 @@ def _pinnable_tier(kv: KVCacheEngine, command: pb.Command) -> str | None:
 
 def _pin(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     n = kv.pin(keys, _pinnable_tier(kv, command))
-    return Done(n, _covered(keys, len(keys)) if n else 0)
+    return Done(n, covered(keys, len(keys)) if n else 0)
 
 
 def _unpin(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     n = kv.unpin(keys, _pinnable_tier(kv, command))
-    return Done(n, _covered(keys, len(keys)) if n else 0)
+    return Done(n, covered(keys, len(keys)) if n else 0)
 
 
 def _from_outcome(outcome: Outcome, tokens: int) -> Done:
@@ -75,7 +75,7 @@ def _from_outcome(outcome: Outcome, tokens: int) -> Done:
 def _evict(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     tiers = [command.tier] if command.tier else [t for t in kv.tier_names if t not in command.keep_tiers]
     outcome = kv.evict(keys, tiers)
-    return _from_outcome(outcome, _covered(keys, len(keys)) if outcome.done else 0)
+    return _from_outcome(outcome, covered(keys, len(keys)) if outcome.done else 0)
 
 
 def _evict_all(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
@@ -85,14 +85,14 @@ def _evict_all(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> 
 
 def _copy(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     outcome = kv.copy_prefix(keys, command.dst_tier, _tier(command))
-    return _from_outcome(outcome, _covered(keys, outcome.held))
+    return _from_outcome(outcome, covered(keys, outcome.held))
 
 
 def _move(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
     if not command.tier:
         raise ValueError("a move needs its source tier")
     outcome = kv.move(keys, command.dst_tier, command.tier)
-    return _from_outcome(outcome, _covered(keys, outcome.held))
+    return _from_outcome(outcome, covered(keys, outcome.held))
 
 
 def _list_pins(kv: KVCacheEngine, command: pb.Command, keys: list[ChunkKey]) -> Done:
@@ -111,24 +111,39 @@ HANDLERS: dict[int, Handler] = {
 _NEEDS_PREFIX = frozenset(HANDLERS) - {pb.ACTION_EVICT_ALL, pb.ACTION_LIST_PINS}
 
 
+def check(command: pb.Command, actions: frozenset[int] = frozenset(HANDLERS)) -> None:
+    """``ValueError`` for an action not in ``actions``, or one that needs a prefix and has none."""
+    if command.action not in actions:
+        raise ValueError(f"unknown action {command.action}")
+    if command.action in _NEEDS_PREFIX and not command.token_ids:
+        raise ValueError("this action needs token_ids")
+
+
+def command_salt(command: pb.Command) -> str | None:
+    """The command's ``cache_salt``; None when absent (the instance's default)."""
+    return command.cache_salt if command.HasField("cache_salt") else None
+
+
+def reply(command: pb.Command, done: Done) -> pb.CommandReply:
+    """The successful reply to ``command`` carrying ``done``."""
+    out = pb.CommandReply(command_id=command.command_id, ok=True, chunks=done.chunks, tokens=done.tokens,
+                          skipped_pinned=done.skipped_pinned, missing=done.missing)
+    out.pins.extend(done.pins)
+    return out
+
+
+def failure(command: pb.Command, error: Exception) -> pb.CommandReply:
+    """The reply to ``command`` that failed with ``error`` (logged at info: the instance goes on)."""
+    log.info("kvlayer agent: command %s failed: %s", pb.Action.Name(command.action)
+             if command.action in pb.Action.values() else command.action, error)
+    return pb.CommandReply(command_id=command.command_id, ok=False, error=f"{type(error).__name__}: {error}"[:1000])
+
+
 def run_command(kv: KVCacheEngine, command: pb.Command) -> pb.CommandReply:
     """Carry out ``command`` on ``kv``; never raises (a failure is a reply with ``ok`` false)."""
-    reply = pb.CommandReply(command_id=command.command_id)
-    handler = HANDLERS.get(command.action)
     try:
-        if handler is None:
-            raise ValueError(f"unknown action {command.action}")
-        if command.action in _NEEDS_PREFIX and not command.token_ids:
-            raise ValueError("this action needs token_ids")
-        salt = command.cache_salt if command.HasField("cache_salt") else None
-        keys = kv.keys(list(command.token_ids), salt) if command.token_ids else []
-        done = handler(kv, command, keys)
-        reply.chunks, reply.tokens = done.chunks, done.tokens
-        reply.skipped_pinned, reply.missing = done.skipped_pinned, done.missing
-        reply.pins.extend(done.pins)
-        reply.ok = True
+        check(command)
+        keys = kv.keys(list(command.token_ids), command_salt(command)) if command.token_ids else []
+        return reply(command, HANDLERS[command.action](kv, command, keys))
     except Exception as e:  # the controller gets the error; the instance goes on
-        log.info("kvlayer agent: command %s failed: %s", pb.Action.Name(command.action)
-                 if command.action in pb.Action.values() else command.action, e)
-        reply.ok, reply.error = False, f"{type(e).__name__}: {e}"[:1000]
-    return reply
+        return failure(command, e)

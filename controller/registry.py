@@ -4,8 +4,9 @@ An instance's entry is created when it registers (empty, state SYNCING), filled 
 snapshot (then UP) and kept current by its admission and eviction events. A tier with a
 ``shared_id`` (the same Redis, say, seen by several instances) is one pool of digests shared by
 every instance attached to it: any attached instance's admissions and evictions update it, and
-it is dropped when the last of them goes down. ``mark_down`` empties an instance's tiers; the
-entry stays, DOWN, until it registers again or is forgotten.
+it is dropped when the last of them goes down; a pool one of them *hosts* (a node cache
+server's arena: ``hosted``) is emptied when the last of its hosts goes down. ``mark_down``
+empties an instance's tiers; the entry stays, DOWN, until it registers again or is forgotten.
 
 Pure Python and single-threaded: the server calls it from its event loop only.
 """
@@ -39,13 +40,15 @@ class RegistryFull(Exception):
 @dataclass(frozen=True, slots=True)
 class TierSpec:
     """A tier as an instance registers it; ``shared_id`` non-empty for a store other instances see too;
-    ``cannot_pin`` for a store that evicts by its own policy (Redis)."""
+    ``cannot_pin`` for a store that evicts by its own policy (Redis); ``hosted`` for a shared store
+    that lives in this instance's process (its chunks go with the last such instance)."""
 
     name: str
     rank: int
     in_memory: bool
     shared_id: str = ""
     cannot_pin: bool = False
+    hosted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,7 @@ class Match:
 class _Pool:
     digests: set[bytes] = field(default_factory=set)
     members: set[str] = field(default_factory=set)
+    hosts: set[str] = field(default_factory=set)
 
 
 class Registry:
@@ -146,7 +150,10 @@ class Registry:
         entry = Instance(spec, State.SYNCING, self._clock())
         for tier in spec.tiers:
             if tier.shared_id:
-                self._pools.setdefault(tier.shared_id, _Pool()).members.add(spec.instance_id)
+                pool = self._pools.setdefault(tier.shared_id, _Pool())
+                pool.members.add(spec.instance_id)
+                if tier.hosted:
+                    pool.hosts.add(spec.instance_id)
             else:
                 entry.held[tier.name] = set()
         self._instances[spec.instance_id] = entry
@@ -266,6 +273,10 @@ class Registry:
             pool = self._pools.get(tier.shared_id) if tier.shared_id else None
             if pool is not None:
                 pool.members.discard(entry.instance_id)
+                if tier.hosted and entry.instance_id in pool.hosts:
+                    pool.hosts.discard(entry.instance_id)
+                    if not pool.hosts:  # the process that held these chunks is gone
+                        pool.digests.clear()
                 if not pool.members:
                     del self._pools[tier.shared_id]
 

@@ -19,6 +19,9 @@ from kvlayer.layout import DEFAULT_CACHE_LAYOUT, KVLayout, dtype_name, parse_dty
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 """Instance ids and tier names: printable, no spaces, at most 128 characters."""
 TIER_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+CACHE_SERVER_ROLE = "cache-server"
+"""The role a node cache server's registrations carry (it serves no requests: routers skip it)."""
+REGISTER_ROLES = (*INSTANCE_ROLES, CACHE_SERVER_ROLE)
 MAX_TEXT = 256
 """Longest model name, fingerprint, salt or address."""
 MAX_TIERS = 16
@@ -121,8 +124,8 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
     check_text(msg.address, "address")
     check_text(msg.served_model, "register.served_model")
     role = msg.role or "both"  # an instance older than the role field
-    if role not in INSTANCE_ROLES:
-        raise invalid(f"register.role must be one of {INSTANCE_ROLES} (or empty), got {role[:40]!r}")
+    if role not in REGISTER_ROLES:
+        raise invalid(f"register.role must be one of {REGISTER_ROLES} (or empty), got {role[:40]!r}")
     if not msg.HasField("namespace"):
         raise invalid("register.namespace is missing")
     ns, partial = namespace_from_wire(msg.namespace)
@@ -134,7 +137,9 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
             raise invalid(f"tier names must match {TIER_RE.pattern}, got {t.name[:40]!r}")
         if t.shared_id:
             check_id(t.shared_id, "tier.shared_id")
-        tiers.append(TierSpec(t.name, t.rank, t.in_memory, t.shared_id, t.cannot_pin))
+        if t.hosted and not t.shared_id:
+            raise invalid(f"tier {t.name!r} is hosted but has no shared_id")
+        tiers.append(TierSpec(t.name, t.rank, t.in_memory, t.shared_id, t.cannot_pin, t.hosted))
     if len({t.name for t in tiers}) != len(tiers):
         raise invalid("tier names must be distinct")
     return InstanceSpec(msg.instance_id, msg.address, ns, partial, tuple(tiers), role, msg.served_model)
@@ -143,7 +148,7 @@ def spec_from_wire(msg: pb.Register) -> InstanceSpec:
 def tier_to_wire(tier: TierSpec) -> pb.TierInfo:
     """The wire form of a registered tier."""
     return pb.TierInfo(name=tier.name, rank=tier.rank, in_memory=tier.in_memory, shared_id=tier.shared_id,
-                       cannot_pin=tier.cannot_pin)
+                       cannot_pin=tier.cannot_pin, hosted=tier.hosted)
 
 
 STAT_FIELDS = ("used_bytes", "capacity_bytes", "lookups", "lookup_chunks", "lookup_hit_chunks", "hit_tokens",

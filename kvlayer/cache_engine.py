@@ -80,7 +80,8 @@ class KVCacheEngine:
         self.metrics = Metrics(self.instance_id)
         self.chunk_staging = Staging.create(layout, self.config.chunk_size, self.config.staging_capacity, self.metrics)
         self.staging = self.chunk_staging.arena
-        ctx = BackendContext(self.config, layout, self.device, self.staging, self.instance_id)
+        ctx = BackendContext(self.config, layout, self.device, self.staging, self.instance_id,
+                             namespace=self.namespace)
         self.backends = list(backends) if backends is not None else build_backends(ctx)
         self.loop = IOLoop()
         self.tiers = TierManager(self.backends, self.loop, self.config, self.metrics)

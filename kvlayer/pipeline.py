@@ -210,8 +210,8 @@ class SaveJob:
             self._chunks.append((item.request_id, key, obj, item))
         layout = staging.layout
         pieces = [piece for _, key, obj, item in self._chunks
-                  for piece in _by_group(layout, layout.chunk_view(obj.tensor), key, key.start, key.end, item.slots,
-                                         item.layer_groups, ())]
+                  for piece in group_pieces(layout, layout.chunk_view(obj.tensor), key, key.start, key.end,
+                                            item.slots, item.layer_groups, ())]
         self._copies = CopyPlan([(rows, slots) for rows, slots, _ in pieces], threads=threads,
                                 layers=[layers for _, _, layers in pieces])
 
@@ -298,12 +298,12 @@ def _pieces(layout: KVLayout, item: LoadItem, keys: Sequence[ChunkKey], objs: li
         rows = layout.chunk_view(obj.tensor)
         if (lo, hi) != (key.start, key.end):
             rows = rows[:, :, (lo - key.start) // unit : -(-(hi - key.start) // unit)]
-        out += _by_group(layout, rows, key, lo, hi, item.slots, item.layer_groups, item.held_from)
+        out += group_pieces(layout, rows, key, lo, hi, item.slots, item.layer_groups, item.held_from)
     return out
 
 
-def _by_group(layout: KVLayout, rows: torch.Tensor, key: ChunkKey, lo: int, hi: int, slots: torch.Tensor,
-              layer_groups: Sequence[int], held_from: Sequence[int]) -> list[Piece]:
+def group_pieces(layout: KVLayout, rows: torch.Tensor, key: ChunkKey, lo: int, hi: int, slots: torch.Tensor,
+                 layer_groups: Sequence[int], held_from: Sequence[int]) -> list[Piece]:
     """The pieces copying ``rows`` (chunk ``key``'s rows of tokens ``[lo, hi)``) through ``slots``:
     one for one block table; with ``layer_groups``, one per run of the chunk's layers in the same
     group, through that group's copy rows. Rows before a group's ``held_from`` are left out."""

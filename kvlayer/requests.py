@@ -18,7 +18,10 @@ rules every engine shares:
   recomputed (``load_failed``);
 - a share ``verify_fraction`` of the requests with a hit are told it is a miss: the engine
   computes those tokens and their saves compare them with the stored chunks instead
-  (``SaveSpec.verify_upto``, ``kvlayer.verify``).
+  (``SaveSpec.verify_upto``, ``kvlayer.verify``);
+- a load granted as an async load (``kvlayer.async_loads``) is handed out once, in the next
+  step, to a request the engine keeps waiting for it (``take_async_loads``); the engine's
+  allocation once it is loaded only replaces the block table.
 
 It holds no tiers and no keys: lookups go through ``lookup`` (in-process for the bundled
 engine, over the lookup channel for vLLM). Use it from the engine's scheduler thread.
@@ -32,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvlayer.cache_groups import KVCacheGroups, released_before
 from kvlayer.step import LoadSpec, SaveSpec
 from kvlayer.windows import Found
 
@@ -81,16 +85,18 @@ class RequestTracker:
     waiting request's lookup answer is reused when asked again for the same tokens (vLLM asks
     at every step until it admits the request; 0: always ask); ``verify_fraction``: the share of
     requests with a hit whose hit is verified instead of loaded (``KVLayerConfig.verify_fraction``).
-    ``layer_groups``: for an engine with one block table per group of layers (vLLM's hybrid
-    manager), each model layer's group; the block-table calls then take every group's table
-    (``groups``) and the specs carry them (``LoadSpec.groups``). A negative block id is a block
-    a sliding window released (vLLM's null block) in any table.
+    ``groups``: an engine's KV-cache groups (vLLM's hybrid manager). With several, the
+    block-table calls take every group's table (``groups``) and the specs carry them
+    (``LoadSpec.groups``); where a group's window slides, the engine releases the blocks before
+    it as a request runs (``released_before``, from each ``step`` on). A negative block id is a
+    block a sliding window released (vLLM's null block) in any table.
     """
 
     def __init__(self, lookup: TrackerLookup, policy: SavePolicy, block_size: int, align: int = 1,
-                 reuse_s: float = 0.0, verify_fraction: float = 0.0, layer_groups: tuple[int, ...] = ()) -> None:
+                 reuse_s: float = 0.0, verify_fraction: float = 0.0, groups: KVCacheGroups | None = None) -> None:
         self._lookup = lookup
-        self._layer_groups = layer_groups
+        self._layer_groups = groups.grouped if groups is not None else ()
+        self._windows = groups.group_windows if groups is not None and groups.layer_windows else ()
         self._verify_fraction = verify_fraction
         self._random = random.Random()
         self.policy = policy
@@ -98,8 +104,12 @@ class RequestTracker:
         self._align = max(1, align)
         self._reuse_s = reuse_s
         self._reqs: dict[str, _Request] = {}
+        self._async: dict[str, int] = {}  # async loads granted, for the next step: request -> start
+        self._loading: set[str] = set()  # async loads handed out, the request not scheduled since
         self.skipped_saves = 0
         """Chunks not saved because a sliding window released one of their blocks."""
+        self.async_loads = 0
+        """Loads handed out as async loads (``take_async_loads``)."""
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -117,6 +127,7 @@ class RequestTracker:
         """How many tokens after the engine's own ``num_computed`` kvlayer can load (>= 0).
         Repeatable: the last call counts."""
         st = self._get(rid, token_ids, num_prompt, salt)
+        self._loading.discard(rid)  # looked up again: its async load failed from its first block
         limit = len(token_ids) - 1
         limit -= limit % self._align
         now = time.monotonic()
@@ -134,15 +145,19 @@ class RequestTracker:
         return hit
 
     def allocated(self, rid: str, block_ids: Sequence[int] | None, num_external: int,
-                  groups: Sequence[Sequence[int]] = ()) -> None:
+                  groups: Sequence[Sequence[int]] = (), async_load: bool = False) -> None:
         """The engine allocated the request's blocks (its whole table, if given; every group's in
-        ``groups`` with ``layer_groups``), ``num_external`` of its tokens after ``num_computed``
-        to come from kvlayer."""
+        ``groups`` with several KV-cache groups), ``num_external`` of its tokens after
+        ``num_computed`` to come from kvlayer, asynchronously with ``async_load`` (the engine keeps
+        the request waiting until the load is reported). For a request whose async load was handed
+        out, the allocation once it is loaded: only its block table changes."""
         st = self._reqs.get(rid)
         if st is None:
             return
         if block_ids is not None:
             _set_tables(st, block_ids, groups)
+        if rid in self._loading:
+            return
         st.asked = None
         st.complete_from = 0
         if num_external > 0:
@@ -151,11 +166,18 @@ class RequestTracker:
             if self.policy.windowed:
                 end = st.load[1]
                 st.saved_upto = max(st.saved_upto, end - end % self.policy.chunk_size)
+            if async_load:
+                self._async[rid] = st.start
 
     def complete_from(self, rid: str) -> int:
         """The first position from which the granted load holds every layer's KV (0: no load)."""
         st = self._reqs.get(rid)
         return 0 if st is None else st.complete_from
+
+    def found(self, rid: str) -> Found:
+        """The request's last lookup's answer (``Found(0)`` for a request not tracked)."""
+        st = self._reqs.get(rid)
+        return st.found if st is not None else Found(0)
 
     # ----- the request as it runs ---------------------------------------------------------
     def update(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None,
@@ -203,8 +225,31 @@ class RequestTracker:
     # ----- one step -----------------------------------------------------------------------
     def step(self, rid: str, num_computed: int, num_scheduled: int) -> tuple[LoadSpec | None, SaveSpec | None]:
         """The request's load (once, in the step after its allocation) and its saves for a step
-        computing tokens ``[num_computed, num_computed + num_scheduled)``; (None, None) for a
-        request not tracked."""
+        that schedules it, computing tokens ``[num_computed, num_computed + num_scheduled)``;
+        (None, None) for a request not tracked. An async load not handed out yet is then a
+        synchronous one (the engine scheduled the request at once)."""
+        self._async.pop(rid, None)
+        self._loading.discard(rid)
+        if self._windows:  # the blocks a sliding window released before this step
+            self.released(rid, released_before(self._windows, num_computed))
+        return self._step(rid, num_computed, num_scheduled)
+
+    def take_async_loads(self) -> tuple[list[LoadSpec], list[SaveSpec]]:
+        """The async loads granted since the last call to requests this step does not schedule
+        (call after ``step`` for those it does), each handed out once, and those requests' saves."""
+        loads: list[LoadSpec] = []
+        saves: list[SaveSpec] = []
+        for rid, start in self._async.items():
+            load, save = self._step(rid, start, 0)
+            if load is not None:
+                loads.append(load)
+                self._loading.add(rid)
+            saves += [save] if save is not None else []
+        self._async = {}
+        self.async_loads += len(loads)
+        return loads, saves
+
+    def _step(self, rid: str, num_computed: int, num_scheduled: int) -> tuple[LoadSpec | None, SaveSpec | None]:
         st = self._reqs.get(rid)
         if st is None:
             return None, None
@@ -274,8 +319,11 @@ class RequestTracker:
                 self.load_failed(rid, bad * self._block_size)
 
     def finished(self, rid: str) -> None:
-        """The request finished or was aborted: forget it."""
+        """The request finished or was aborted: forget it (an async load of its own still running
+        is the worker's to finish)."""
         self._reqs.pop(rid, None)
+        self._async.pop(rid, None)
+        self._loading.discard(rid)
 
 
 def _set_tables(st: _Request, block_ids: Sequence[int], groups: Sequence[Sequence[int]]) -> None:

@@ -205,7 +205,8 @@ class StepTransfer:
             self.counts.moved.append((known, s.token_ids, keys[0].start))
             # the held chunks of a sampled hit are compared; the saves skip them (held already)
             if sampled := [k for k in keys if k.start < s.verify_upto]:
-                checks.append(VerifyItem(s.request_id, tuple(save_keys(ctx.layout, sampled)), rows))
+                checks.append(VerifyItem(s.request_id, tuple(save_keys(ctx.layout, sampled)), rows,
+                                         s.layer_groups if s.groups else ()))
             items.append(SaveItem(s.request_id, tuple(save_keys(ctx.layout, keys)), rows,
                                   s.layer_groups if s.groups else ()))
         if checks:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from kvlayer.config import KVLayerConfig
-from kvlayer.keys import ChunkKey
+from kvlayer.keys import ChunkKey, Namespace
 from kvlayer.layout import KVLayout
 from kvlayer.memory import Arena, MemoryObj, release_all
 
@@ -57,7 +57,8 @@ class BackendContext:
     """What a backend is built from.
 
     ``staging`` is the host arena that serialising tiers land reads in (shared, internal, not
-    a cache tier). ``device`` is the engine's device (the GPU tier's arena lives there). A tier
+    a cache tier). ``device`` is the engine's device (the GPU tier's arena lives there).
+    ``namespace`` is the engine's key namespace (None where a backend is built apart). A tier
     reads its own settings with ``tier_settings(cls.name)``; ``config`` holds the core's.
     """
 
@@ -67,6 +68,7 @@ class BackendContext:
     staging: Arena
     instance_id: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    namespace: Namespace | None = None
 
     def tier_settings(self, tier: str) -> Mapping[str, Any]:
         """Tier ``tier``'s own section of the config (``config.tiers[tier]``): every setting its

@@ -32,6 +32,7 @@ from kvlayer import tier_admin
 from kvlayer.keys import ChunkKey
 from kvlayer.memory import MemoryObj
 from kvlayer.memory import release_all as _release
+from kvlayer.pipeline import group_pieces
 from kvlayer.quantize import QUANTIZERS
 from kvlayer.read_plan import ChunkReads, ReadPlan
 from kvlayer.staging import Staging
@@ -52,11 +53,13 @@ DEFAULT_RTOL = 2**-3
 class VerifyItem:
     """Compare the chunk objects ``keys`` (whole chunks or layer groups' objects,
     ``kvlayer.windows.save_keys``) of request ``request_id`` with its cache: ``slots`` holds the
-    copy row of each token ``0..keys[-1].end-1`` (int64, the caches' device; as ``SaveItem``)."""
+    copy row of each token ``0..keys[-1].end-1`` (int64, the caches' device; as ``SaveItem``, and
+    like it ``[groups, rows]`` with ``layer_groups``, the group of each model layer)."""
 
     request_id: str
     keys: tuple[ChunkKey, ...]
     slots: torch.Tensor
+    layer_groups: tuple[int, ...] = ()
 
 
 def agrees(fresh: torch.Tensor, stored: torch.Tensor, quantization: str = "none") -> bool:
@@ -83,18 +86,16 @@ class Verification:
         self._tiers = tiers
         self._staging = staging
         self._quantization = quantization
-        self._chunks: list[tuple[str, ChunkKey, int, MemoryObj, torch.Tensor]] = []
+        self._chunks: list[tuple[str, ChunkKey, int, MemoryObj, VerifyItem]] = []
         objs = [(item, key) for item in items for key in item.keys]
         held = tiers.lookup_many([[key] for _, key in objs], record=False) if objs else []
-        unit = staging.layout.copy_unit
         for (item, key), found in zip(objs, held):
             if not found.num_chunks:
                 continue  # evicted since the lookup: nothing to compare with
             obj = staging.allocate(key)
             if obj is None:
                 break  # staging is full: the rest go unchecked this time
-            rows = item.slots[key.start // unit : -(-key.end // unit)]
-            self._chunks.append((item.request_id, key, found.sources[0], obj, rows))
+            self._chunks.append((item.request_id, key, found.sources[0], obj, item))
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -111,8 +112,10 @@ class Verification:
             return
         try:
             layout = self._staging.layout
-            copies = CopyPlan([(layout.chunk_view(obj.tensor), rows) for _, _, _, obj, rows in chunks],
-                              layers=[key.layers for _, key, _, _, _ in chunks])
+            pieces = [piece for _, key, _, obj, item in chunks
+                      for piece in group_pieces(layout, layout.chunk_view(obj.tensor), key, key.start, key.end,
+                                                item.slots, item.layer_groups, ())]
+            copies = CopyPlan([(rows, slots) for rows, slots, _ in pieces], layers=[ids for _, _, ids in pieces])
             copies.gather(caches)
             wait_for_copies(caches[0].device)
             self._compare(chunks)
@@ -121,7 +124,7 @@ class Verification:
         finally:
             _release(c[3] for c in chunks)
 
-    def _compare(self, chunks: list[tuple[str, ChunkKey, int, MemoryObj, torch.Tensor]]) -> None:
+    def _compare(self, chunks: list[tuple[str, ChunkKey, int, MemoryObj, VerifyItem]]) -> None:
         plans = [ReadPlan((key,), (src,)) for _, key, src, _, _ in chunks]
         reads = ChunkReads.open(self._tiers, plans, self._staging, [(0, self._staging.layout.num_layers)])
         try:

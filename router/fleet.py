@@ -85,7 +85,9 @@ class Fleet:
         await asyncio.gather(*(self._probe(i) for i in list(self.instances.values())))
 
     def _update(self, infos: list[pb.InstanceInfo]) -> None:
-        listed = {i.instance_id: i for i in infos if i.state == pb.INSTANCE_STATE_UP and i.address}
+        # A node cache server registers too (role "cache-server"), but serves no requests.
+        listed = {i.instance_id: i for i in infos
+                  if i.state == pb.INSTANCE_STATE_UP and i.address and (i.role or "both") in ROLES}
         for gone in set(self.instances) - set(listed):
             log.info("kvlayer router: %s left the controller's list", gone)
             del self.instances[gone]

@@ -54,11 +54,17 @@ def test_the_server_and_an_in_process_cpu_tier_side_by_side_and_across_restarts(
     cache, cpu = rs["cache"], rs["cpu"]
     assert rs["tokens"] == RESTART_TOKENS
     first = rs["processes"][1:]
-    assert len(first) == RESTARTS and cache["first_tokens"] == [RESTART_TOKENS] * RESTARTS
-    assert all(p["mode"] == "restart" and p["exact"] and p["first_hit_tokens"] == RESTART_TOKENS for p in first)
-    assert cache["first"]["runs_s"] == [p["first_s"] for p in first]
-    assert len(cache["before"]["runs_s"]) == RESTARTS * REPEAT  # the warm hits of every process but the last
+    ready, cold = ([p for p in first if p["mode"] == mode] for mode in ("restart", "restart-cold"))
+    assert len(ready) == len(cold) == RESTARTS and cache["first_tokens"] == [RESTART_TOKENS] * 2 * RESTARTS
+    assert all(p["exact"] and p["first_hit_tokens"] == RESTART_TOKENS for p in first)
+    assert cache["first"]["runs_s"] == [p["first_s"] for p in ready]
+    assert cache["first_cold"]["runs_s"] == [p["first_s"] for p in cold]
+    assert cache["ready"] and cache["ready_s"] == [p["ready_s"] for p in ready]  # connected and mapped within 2 s
+    assert all(p["ready"] and 0 <= p["ready_s"] < 2 for p in ready)
+    assert all(p["ready_s"] == 0 and not p["ready"] for p in cold)  # these retrieved at once
+    assert len(cache["before"]["runs_s"]) == 2 * RESTARTS * REPEAT  # the warm hits of every process but the last
     assert cache["ratio"] == pytest.approx(cache["first"]["median_s"] / cache["before"]["median_s"])
+    assert cache["cold_ratio"] == pytest.approx(cache["first_cold"]["median_s"] / cache["before"]["median_s"])
     assert cache["goal_met"] == (cache["ratio"] <= 1.2)
     assert cpu["first_tokens"] == 0 and len(cpu["before"]["runs_s"]) == REPEAT  # a restart empties it
 

@@ -76,3 +76,14 @@ def server(sock_path: str) -> Iterator[ServerProcess]:
     proc = ServerProcess(sock_path, "4MiB").start()
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def unscrubbed(sock_path: str) -> Iterator[ServerProcess]:
+    """As ``server``, but it never re-scrubs (``--scrub-mib-s 0``; commits are still sealed): a
+    chunk damaged once sealed is left for the clients to find."""
+    from .test_ops import FlaggedServer
+
+    proc = FlaggedServer(sock_path, "4MiB", "--scrub-mib-s", "0").start()
+    yield proc
+    proc.stop()

@@ -101,9 +101,13 @@ def _kv(sock: str, **extra: object) -> KVCacheEngine:
     return KVCacheEngine({**worker.kv_config(sock), **extra}, worker.layout(), model_name="m", model_fingerprint="f")
 
 
-def test_a_chunk_damaged_in_the_arena_is_a_miss(server):
-    with _kv(server.socket_path) as kv:
+def test_a_chunk_damaged_in_the_arena_is_a_miss(unscrubbed):
+    """The client's own hash (``cache_server_verify: first``) finds a chunk damaged after the
+    server sealed it (a server that never re-scrubs, so the client is the one to find it)."""
+    server = unscrubbed
+    with _kv(server.socket_path, cache_server_verify="first") as kv:
         assert kv.store(worker.TOKENS, worker.kv_caches(1), worker.slots(40, 0)) == 5
+        server.wait_stats(lambda s: s.sealed == 5)
         with server.client() as c:
             path, offset = c.welcome.path, c.lease([worker_key(kv, 2)])[0].offset
         with open(path, "r+b") as f:  # a stray write into the third chunk's bytes
@@ -143,7 +147,8 @@ def test_the_settings_are_config_keys():
     from kvlayer import ConfigError, KVLayerConfig
 
     config = KVLayerConfig.load({"cache_server": "/run/kv.sock"}, env={"KVLAYER_CACHE_SERVER_TOKEN": "t"})
-    assert config.tiers["cache"] == {"server": "/run/kv.sock", "server_token": "t", "salt_quota": None,
+    assert config.tiers["cache"] == {"server": "/run/kv.sock", "server_token": "t", "server_verify": "server",
+                                     "salt_quota": None,
                                      "socket_group": None, "metrics_port": 0}
     assert KVLayerConfig.from_dict({"tiers": {"cache": {"salt_quota": 0.25}}}).tiers["cache"]["salt_quota"] == "0.25"
     with pytest.raises(ConfigError, match="fraction in"):
@@ -151,3 +156,5 @@ def test_the_settings_are_config_keys():
     assert KVLayerConfig().tiers["cache"].enabled is False
     with pytest.raises(ConfigError, match="cache_server"):
         KVLayerConfig(cache_server="/" + "x" * 200)
+    with pytest.raises(ConfigError, match="cache_server_verify must be one of server, first, always"):
+        KVLayerConfig(cache_server_verify="never")

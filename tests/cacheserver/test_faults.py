@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import xxhash
 
 from kvlayer import KVCacheEngine, KVLayout
 from kvlayer.cacheserver import protocol as wire
@@ -107,9 +108,9 @@ def test_a_client_killed_mid_copy_leaks_no_lease_and_no_memory(sock_path, claim)
     try:
         with server.client() as c:
             c.reserve([(wire.Key(b"z" * 32, b"t" * 16), 4096)])  # a chunk of ours, there all along
-            c.commit([(b"z" * 32, 1)])
+            c.commit([(b"z" * 32, xxhash.xxh3_64_intdigest(bytes(4096)))])  # unwritten: zeros, sealed
             c.release([b"z" * 32])
-            before = c.stats()
+            before = server.wait_stats(lambda s: s.sealed == 1)
             child = spawn("churn", sock_path)
             try:
                 for _ in range(2):
@@ -137,11 +138,13 @@ def test_a_client_killed_mid_copy_leaks_no_lease_and_no_memory(sock_path, claim)
         server.stop()
 
 
-def test_a_chunk_is_hashed_once_per_commit_and_a_restored_one_again(server):
-    """A warm chunk is not hashed again; one stored anew at the same offset with the same bytes
-    (so the same checksum) and then damaged is still a counted miss: this process's own
-    reservation there dropped the record of the first commit."""
-    config = {**worker.kv_config(server.socket_path)}
+def test_a_chunk_is_hashed_once_per_commit_and_a_restored_one_again(unscrubbed):
+    """``cache_server_verify: first`` (the server's seals not trusted): a warm chunk is not hashed
+    again; one stored anew at the same offset with the same bytes (so the same checksum) and then
+    damaged is still a counted miss: this process's own reservation there dropped the record of
+    the first commit."""
+    server = unscrubbed
+    config = {**worker.kv_config(server.socket_path), "cache_server_verify": "first"}
     with KVCacheEngine(config, worker.layout(), model_name="m", model_fingerprint="f") as kv:
         src, at, dst = worker.kv_caches(3), worker.slots(40, 0), worker.kv_caches(None)
         assert kv.store(worker.TOKENS, src, at) == 5
@@ -157,6 +160,7 @@ def test_a_chunk_is_hashed_once_per_commit_and_a_restored_one_again(server):
         with server.client() as c:
             assert [lease.offset for lease in c.lease(keys)] == offsets  # first fit: the same ranges
             path = c.welcome.path
+        server.wait_stats(lambda s: s.sealed == 5)  # sealed before the damage: only the client can find it
         with open(path, "r+b") as f:  # a stray write into the third chunk, before this process reads it
             f.seek(offsets[2] + 64)
             f.write(b"\x00\x01\x02")

@@ -13,7 +13,7 @@ from pathlib import Path
 import xxhash
 
 from kvlayer.backends.nvme_files import chunk_path
-from kvlayer.cacheserver.protocol import Key, Status
+from kvlayer.cacheserver.protocol import DEFAULT_TENANT, Key, Reserve, Status
 from kvlayer.cacheserver.sync_client import SyncClient
 
 from ..redis_server import RedisServer
@@ -54,6 +54,10 @@ def payloads(n: int) -> list[bytes]:
     return [os.urandom(SIZES[i % len(SIZES)]) for i in range(n)]
 
 
+def sizes(datas: list[bytes]) -> list[int]:
+    return [len(d) for d in datas]
+
+
 def arena(client: SyncClient) -> mmap.mmap:
     fd = os.open(client.welcome.path, os.O_RDWR)
     try:
@@ -73,11 +77,12 @@ def store(client: SyncClient, ks: list[Key], datas: list[bytes]) -> None:
     view.close()
 
 
-def loaded(client: SyncClient, ks: list[Key]) -> list[bytes | None]:
-    """Lease each key and read its bytes from the arena (None for a miss), checking the checksum."""
+def loaded(client: SyncClient, ks: list[Key], sizes: list[int], tenant: bytes = DEFAULT_TENANT) -> list[bytes | None]:
+    """Lease each key as a chunk of its size (what a lower tier must hold, of ``tenant``) and read
+    its bytes from the arena (None for a miss), checking the checksum."""
     view = arena(client)
     out: list[bytes | None] = []
-    for lease in client.lease(ks):
+    for lease in client.lease([Reserve(k, n, tenant) for k, n in zip(ks, sizes)]):
         if lease.status is not Status.OK:
             out.append(None)
             continue
@@ -125,10 +130,10 @@ def test_restarted_server_serves_its_nvme_chunks(tmp_path, sock_path):
         assert c.stats().chunks == 0  # a new arena
         assert c.lookup(ks + stranger) == 3
         assert c.lookup(stranger + ks) == 0
-        assert loaded(c, ks + stranger) == [*datas, None]
+        assert loaded(c, ks + stranger, [*sizes(datas), 4096]) == [*datas, None]
         stats = c.stats()
         assert (stats.chunks, stats.leases) == (3, 3)
-        assert loaded(c, ks) == datas  # now arena hits
+        assert loaded(c, ks, [0] * 3) == datas  # now arena hits (of whatever size)
     with server.client() as c:
         assert c.stats().leases == 0  # the promoted leases went with their connection
     server.output()
@@ -147,7 +152,7 @@ def test_corrupt_nvme_file_is_a_counted_miss(tmp_path, sock_path):
         f.write(bytes([byte[0] ^ 1]))
     server.start()
     with server.client() as c:
-        assert loaded(c, ks) == [datas[0], None]
+        assert loaded(c, ks, sizes(datas)) == [datas[0], None]
         assert not os.path.exists(bad)  # a corrupt file is deleted
         assert c.lookup(ks) == 1
     assert "checksum_errors" in server.output()
@@ -171,7 +176,7 @@ def test_redis_serves_what_the_nvme_lost(tmp_path, sock_path):
         server.start()
         with server.client() as c:
             assert c.lookup(ks) == 2  # the first in Redis, the second on NVMe
-            assert loaded(c, ks) == datas
+            assert loaded(c, ks, sizes(datas)) == datas
         r.close()
         server.output()
 
@@ -187,14 +192,14 @@ def test_dead_redis_and_full_nvme_keep_serving(tmp_path, sock_path):
         with server.client() as c:
             store(c, ks, datas)
             wait_for(lambda: os.path.exists(files(root, ks)[0]), "the write-through")
-            assert loaded(c, ks) == datas  # arena hits
+            assert loaded(c, ks, sizes(datas)) == datas  # arena hits
             assert c.release([k.digest for k in ks] * 2) == 4
         server.kill()
         server.start()
         with server.client() as c:
             t0 = time.monotonic()
             assert c.lookup(ks) == 1
-            assert loaded(c, ks) == [datas[0], None]
+            assert loaded(c, ks, sizes(datas)) == [datas[0], None]
             assert c.lookup(keys(1, b"other")) == 0
             assert time.monotonic() - t0 < 3
             store(c, keys(1, b"new"), payloads(1))  # and stores still land in the arena

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvlayer.cacheserver import protocol as wire
@@ -117,7 +118,7 @@ def test_the_metrics_follow_a_store_and_a_lease(sock_path):
         keys = [Key(bytes([i]) * 32, b"t" * 16) for i in range(3)]
         with proc.client() as c:
             assert [s.status for s in c.reserve([wire.Reserve(k, 5000, tenant) for k in keys])] == [Status.OK] * 3
-            assert c.commit([(k.digest, 1) for k in keys]) == 3
+            assert c.commit([(k.digest, xxhash.xxh3_64_intdigest(bytes(5000))) for k in keys]) == 3
             assert c.release([k.digest for k in keys]) == 3
             assert c.lookup(keys + [Key(b"x" * 32, b"t" * 16)]) == 3
             assert [x.status for x in c.lease([keys[0], Key(b"y" * 32, b"t" * 16)])] == [Status.OK, Status.MISSING]

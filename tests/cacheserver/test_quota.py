@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 
 from kvlayer import ConfigError, KVLayerConfig
 from kvlayer.cacheserver import protocol as wire
@@ -65,7 +66,7 @@ def test_the_reserve_frame_carries_the_tenant():
     assert wire.parse_reserve(body) == [Reserve(key(1), 700, A), Reserve(key(2), 9, DEFAULT_TENANT)]
     with pytest.raises(ValueError, match="8 bytes"):
         wire.reserve([Reserve(key(1), 700, b"short")])
-    assert wire.VERSION == 2
+    assert wire.VERSION == 3  # 3: LEASE items carry size and tenant too
 
 
 def test_a_tenant_at_its_quota_evicts_its_own_chunks_never_anothers():
@@ -141,7 +142,8 @@ def test_one_tenant_storing_far_past_its_quota_never_pushes_anothers_chunks_out(
                 done = [(k, s) for k, s in zip(keys, slots) if s.status is Status.OK]
                 for k, s in done:
                     arena[s.offset:s.offset + chunk] = k.digest[:1] * chunk
-                assert client.commit([(k.digest, k.digest[0]) for k, _ in done]) == len(done)
+                assert client.commit([(k.digest, xxhash.xxh3_64_intdigest(k.digest[:1] * chunk))
+                                      for k, _ in done]) == len(done)
                 assert client.release([k.digest for k, _ in done]) == len(done)
                 return [s.status for s in slots]
 
@@ -156,7 +158,8 @@ def test_one_tenant_storing_far_past_its_quota_never_pushes_anothers_chunks_out(
             assert b.lookup([key(i) for i in bs]) == 16
             leases = b.lease([key(i) for i in bs])
             for i, lease in zip(bs, leases):
-                assert (lease.status, lease.size, lease.checksum) == (Status.OK, chunk, i)
+                assert (lease.status, lease.size, lease.checksum) == (Status.OK, chunk,
+                                                                       xxhash.xxh3_64_intdigest(bytes([i]) * chunk))
                 assert arena[lease.offset:lease.offset + chunk] == bytes([i]) * chunk
             newest = [key(i) for i in range(48, 64)]
             assert a.lookup(newest) == 16 and a.lookup([key(47)]) == 0

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import xxhash
 
 from kvlayer.cacheserver import protocol as wire
 from kvlayer.cacheserver.protocol import ErrorCode, Key, Op, Status
@@ -109,7 +110,7 @@ def test_a_second_server_on_a_live_socket_is_refused(server):
 def test_a_killed_client_leaks_no_lease_and_no_memory(server):
     with server.client() as c:
         c.reserve([(Key(b"z" * 32, b"t" * 16), 2048)])
-        c.commit([(b"z" * 32, 1)])
+        c.commit([(b"z" * 32, xxhash.xxh3_64_intdigest(bytes(2048)))])  # the arena's zeros: the server seals it
         before = c.stats()
         child = subprocess.Popen([sys.executable, "-m", "tests.cacheserver.worker", "hold", server.socket_path, "6"],
                                  cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -135,20 +136,21 @@ def test_capacity_holds_under_constant_eviction(server):
     with server.client() as c:
         pinned = Key(b"p" * 32, b"t" * 16)
         c.reserve([(pinned, chunk)])
-        c.commit([(pinned.digest, 9)])
+        zeros = xxhash.xxh3_64_intdigest(bytes(chunk))  # no chunk is written: the right checksum is of zeros
+        c.commit([(pinned.digest, zeros)])
         assert c.lease([pinned])[0].status is Status.OK  # leased: must survive every eviction
         for i in range(300):  # 300 x 64 KiB = 4.7x the capacity, in batches of 3
             keys = [Key((3 * i + j).to_bytes(32, "little"), b"t" * 16) for j in range(3)]
             slots = c.reserve([(k, chunk) for k in keys])
             assert [s.status for s in slots] == [Status.OK] * 3
             assert all(4096 <= s.offset <= 4096 + capacity - chunk for s in slots)
-            c.commit([(k.digest, i) for k in keys])
+            c.commit([(k.digest, zeros) for k in keys])
             c.release([k.digest for k in keys])  # written: the commit's lease goes back
             stats = c.stats()
             assert stats.used_bytes <= stats.capacity_bytes == capacity
         stats = c.stats()
         assert stats.evictions == 300 * 3 + 1 - capacity // chunk and stats.chunks == capacity // chunk
-        assert c.lookup([pinned]) == 1 and c.lease([pinned])[0].checksum == 9
+        assert c.lookup([pinned]) == 1 and c.lease([pinned])[0].checksum == zeros
         newest = [Key((3 * 299 + j).to_bytes(32, "little"), b"t" * 16) for j in range(3)]
         assert c.lookup(newest) == 3
 

@@ -96,13 +96,15 @@ def generate(sock: str, model: str) -> dict:
 
 
 def hold(sock: str, n: int) -> None:
+    import xxhash
+
     from kvlayer.cacheserver import protocol as wire
     from kvlayer.cacheserver.sync_client import SyncClient
 
     client = SyncClient(sock)
     keys = [wire.Key(bytes([i]) * 32, b"t" * 16) for i in range(2 * n)]
     client.reserve([(k, 4000) for k in keys[:n]])
-    client.commit([(k.digest, 0) for k in keys[:n]])
+    client.commit([(k.digest, xxhash.xxh3_64_intdigest(bytes(4000))) for k in keys[:n]])  # unwritten: zeros
     client.lease(keys[:n])
     client.reserve([(k, 4000) for k in keys[n:]])  # reserved, never committed: a store cut off
     print("holding", flush=True)

@@ -1,7 +1,8 @@
 """Asynchronous loads in kvlayer's vLLM connector (``async_loads``, docs/vllm.md).
 
 Bookkeeping on hand-made scheduler outputs (no vLLM): which hits go the async way, the step
-that carries them, the request's second allocation, an abort; the worker's ``AsyncLoads``.
+that carries them, the request's second allocation, an abort (the worker's loads themselves:
+tests/kvlayer/test_async_loads.py).
 Then one vLLM engine (CPU build, ``tests/connectors/vllm_driver.py``) with the NVMe and Redis
 tiers and no CPU tier, shared by the module: its first round computes (every token vLLM's own),
 the next hit NVMe asynchronously, corrupted NVMe files are failed loads that vLLM then finds
@@ -12,16 +13,12 @@ stay those of the first round.
 from __future__ import annotations
 
 import importlib.util
-import threading
-import time
 from typing import Any
 
 import pytest
 
 from kvlayer.config import KVLayerConfig
-from kvlayer.connectors.vllm_scheduler import SchedulerSide, lower_tiers
-from kvlayer.connectors.vllm_worker import AsyncLoads
-from kvlayer.step import StepCounts
+from kvlayer.connectors.vllm_scheduler import SchedulerSide
 from tests.connectors.test_vllm_scheduler import BS, CHUNK, output, request
 from tests.redis_server import RedisServer, require_binary
 
@@ -40,14 +37,6 @@ class TieredLookups:
 def side(tier: int, **config: Any) -> SchedulerSide:
     cfg = KVLayerConfig(chunk_size=CHUNK, cpu_capacity="1MiB", nvme_path="/tmp/unused-nvme", **config)
     return SchedulerSide(cfg, TieredLookups(16, tier), BS)
-
-
-def test_lower_tiers_are_the_enabled_tiers_below_memory() -> None:
-    assert lower_tiers(KVLayerConfig(cpu_capacity="1MiB", nvme_path="/x", redis_url="redis://h:1")) == {1, 2}
-    assert lower_tiers(KVLayerConfig(cpu_capacity=0, nvme_path="/x")) == {0}
-    assert lower_tiers(KVLayerConfig(cpu_capacity="1MiB")) == set()
-    cache = KVLayerConfig(cache_server="/s.sock", redis_url="redis://h:1")
-    assert lower_tiers(cache) == {1}, "the cache server is memory"
 
 
 def test_an_nvme_hit_loads_async_in_the_step_after_its_allocation() -> None:
@@ -83,23 +72,6 @@ def test_a_request_aborted_before_its_step_loads_nothing() -> None:
     s.allocated(r, [10, 11, 12, 13, 14], 16)
     s.finished("a")
     assert s.build(output(finished=["a"])).async_loads == ()
-
-
-def test_async_loads_report_each_load_once_and_cancel_those_not_started() -> None:
-    jobs = AsyncLoads()
-    gate = threading.Event()
-    jobs.start("a", lambda: (gate.wait(10), ({3}, StepCounts(8, 16)))[1])
-    jobs.start("b", lambda: (set(), StepCounts(16, 16)))  # queued behind "a"
-    assert jobs.cancel({"b"}) == {"b"} and jobs.pending() == {"a"}
-    assert jobs.take_done() == {}, "a running load is not done"
-    assert jobs.cancel({"a"}) == set(), "a running load is waited for, never cut short"
-    gate.set()
-    deadline = time.monotonic() + 10
-    while not (done := jobs.take_done()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert list(done) == ["a"] and done["a"][0] == {3}
-    assert jobs.take_done() == {} and jobs.pending() == set()
-    jobs.close()
 
 
 # --- in vLLM -----------------------------------------------------------------------------------

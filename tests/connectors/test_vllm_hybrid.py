@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvlayer.connectors.vllm_groups import KVCacheGroups, block_tables
+from kvlayer.cache_groups import KVCacheGroups
+from kvlayer.connectors.vllm_groups import block_tables
 from kvlayer.connectors.vllm_scheduler import SchedulerSide
 from kvlayer.engine.presets import PRESETS, init_model
 from kvlayer.step import held_from
@@ -220,6 +221,28 @@ def test_a_chunk_whose_window_blocks_vllm_freed_is_not_saved() -> None:
     assert save.first == 8, "chunk [0, 8) is skipped, chunk [8, 16) saved"
     assert save.groups == ((1, 2, 3, 4), (-1, 12, 13, 14))
     assert block_tables([5, 0], ([5, 0], [0, 6])) == ([5, -1], [[5, -1], [-1, 6]])
+
+
+def test_verification_on_a_hybrid_compares_each_groups_objects(alone, nvme_run, hybrid, work) -> None:
+    """verify_fraction 1.0 with two KV-cache groups: every hit is recomputed by vLLM and each
+    chunk object the NVMe files hold is compared with vLLM's fresh KV through its own group's
+    blocks; all agree (the files are right), nothing is replaced, the tokens are vLLM's."""
+    import shutil
+
+    assert "error" not in nvme_run, nvme_run.get("error")
+    folder = work / "nvme-verify"
+    shutil.copytree(work / "nvme", folder)
+    cfg = {"cpu_capacity": 0, "nvme_path": str(folder), "nvme_capacity": "256MiB", "chunk_size": CHUNK,
+           "verify_fraction": 1.0}
+    run = drive(spec(hybrid, cfg, 1, None), work)
+    assert groups(run) == [("FullAttentionSpec", None, 2), ("SlidingWindowSpec", WINDOW, 2)]
+    only, = run["rounds"]
+    assert only["tokens"] == alone["rounds"][0]["tokens"]
+    assert only["cached"] == [0] * len(PROMPTS), "a sampled hit is recomputed by vLLM"
+    nvme = only["stats"]["tiers"]["nvme"]
+    objects = len(list(folder.rglob("*.kvc")))
+    assert nvme["verify_mismatches"] == 0 and nvme["hit_tokens"] == 0
+    assert 0 < nvme["verified_hits"] <= objects, (nvme["verified_hits"], objects)
 
 
 @pytest.fixture(scope="module")
