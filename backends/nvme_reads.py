@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
+from kvlayer.io_loop import blocking_executor
 from kvlayer.memory import MemoryObj
 
 from .nvme_files import RangedFile
@@ -28,7 +29,7 @@ async def fill(obj: MemoryObj, fn: Callable[..., T], *args: Any) -> T:
     If the caller is cancelled, ``obj`` is released only once the thread is done, so its slot
     is never handed out again while the thread still writes into it.
     """
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    fut = asyncio.get_running_loop().run_in_executor(blocking_executor(), fn, *args)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -59,7 +60,8 @@ def _read_range(reads: Sequence[RangedFile], lo: int, hi: int) -> None:
 async def _on_threads(jobs: Sequence[Callable[[], None]]) -> None:
     """Run ``jobs`` on worker threads at once; returns (even when cancelled) only once all are done."""
     loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(None, job) for job in jobs]
+    executor = blocking_executor()
+    futures = [loop.run_in_executor(executor, job) for job in jobs]
     try:
         await asyncio.shield(asyncio.gather(*futures))
     except asyncio.CancelledError:

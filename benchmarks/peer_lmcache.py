@@ -46,6 +46,9 @@ GOALS = {"cpu_retrieve_speedup": 1.5, "cpu_retrieve_of_scatter": 0.7, "lower_ret
          "store_speedup": 1.5}
 """Issue 24's goals: speedups are LMCache's median time over kvlayer's."""
 SIDE = Path(__file__).with_name("peer_lmcache_side.py")
+SETTLE_S = 0.05
+"""The pause before each timed op, either side: torch's OpenMP workers spin for several ms after
+a parallel op, and one process's spinning workers would otherwise run into the other's timing."""
 
 
 class PeerBuildError(ValueError):
@@ -176,9 +179,14 @@ def _measure_tier(tier: str, seq: Any, args: argparse.Namespace, folder: str, ur
     exact = {"kvlayer": True, "lmcache": True}
 
     def timed(run: Callable[[], object]) -> float:
+        time.sleep(SETTLE_S)
         start = time.perf_counter()
         run()
         return time.perf_counter() - start
+
+    def lm(cmd: dict[str, Any]) -> Any:
+        time.sleep(SETTLE_S)
+        return ask(cmd)
 
     with KVCacheEngine(config, seq.layout, model_name="bench-peer") as engine:
         keys = engine.keys(seq.token_ids)
@@ -195,13 +203,13 @@ def _measure_tier(tier: str, seq: Any, args: argparse.Namespace, folder: str, ur
         try:
             for i in range(args.repeat + 1):  # round 0 warms up, untimed, and is checked
                 engine.evict_all()
-                took = {"store": timed(store), "lm_store": ask({"cmd": "store", "round": i})["seconds"]}
+                took = {"store": timed(store), "lm_store": lm({"cmd": "store", "round": i})["seconds"]}
                 for cache in seq.dst:
                     cache.zero_()
                 took["retrieve"] = timed(retrieve)
                 if i in (0, args.repeat):
                     exact["kvlayer"] &= seq.retrieved()
-                answer = ask({"cmd": "retrieve"})
+                answer = lm({"cmd": "retrieve"})
                 if answer["tokens"] != len(seq.token_ids):
                     raise RuntimeError(f"LMCache's {tier} retrieve gave {answer['tokens']} tokens")
                 took["lm_retrieve"] = answer["seconds"]

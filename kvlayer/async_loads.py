@@ -17,12 +17,9 @@ one is waited for, as the engine keeps its blocks until the load is reported.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -30,6 +27,7 @@ import torch
 
 from kvlayer.cache_engine import KVCacheEngine
 from kvlayer.config import KVLayerConfig
+from kvlayer.io_loop import background, lower_priority
 from kvlayer.registry import available_backends
 from kvlayer.step import LoadSpec, StepContext, StepCounts, StepSpec, StepTransfer, slots_of
 from kvlayer.step_stats import StepStats
@@ -39,11 +37,6 @@ log = logging.getLogger(__name__)
 
 LoadResult = tuple[set[int], StepCounts]
 """An async load's outcome: the engine's blocks it left without valid KV, and what it moved."""
-
-BACKGROUND_NICE = 10
-"""How much lower the async-load thread's CPU priority is (Linux per-thread nice): on a busy
-CPU, the engine's step threads come first and the load takes the time they leave."""
-
 
 def lower_tiers(config: KVLayerConfig) -> frozenset[int]:
     """The indices, in the workers' tier order (``kvlayer.registry.build_backends``: by rank, then
@@ -68,19 +61,12 @@ def below_memory(sources: Sequence[int], lower: frozenset[int]) -> bool:
     return not sources or any(s in lower for s in sources)
 
 
-def _yield_cpu() -> None:
-    """Lower this thread's CPU priority by ``BACKGROUND_NICE`` (where the OS allows it)."""
-    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: full priority
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
-
-
 class AsyncLoads:
     """Async loads, run one at a time on a thread of their own (never the loader thread the
     steps' layer-by-layer loads use), keyed by request id. Call from one thread."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-async-load", initializer=_yield_cpu)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-async-load", initializer=lower_priority)
         self._jobs: dict[str, Future[LoadResult]] = {}
 
     def start(self, request_id: str, load: Callable[[], LoadResult]) -> None:
@@ -140,8 +126,9 @@ class AsyncLoader:
         try:
             slots = {load.request_id: slots_of(ctx.layout, load.block_ids, load.end, ctx.device, load.groups)}
             # a whole transfer (given slots): read and scattered here, nothing on the loader thread
-            step = StepTransfer(ctx, StepSpec(loads=(load,)), caches, slots)
-            step.finish()
+            with background():  # its file reads run on lower-priority threads too
+                step = StepTransfer(ctx, StepSpec(loads=(load,)), caches, slots)
+                step.finish()
             return step.failed_blocks(), step.counts
         except Exception:  # a bug below costs a recompute of the whole load, never the engine
             log.exception("kvlayer: the async load of %s failed; it is recomputed", load.request_id)

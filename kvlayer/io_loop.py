@@ -15,14 +15,56 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import contextvars
 import logging
+import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+BACKGROUND_NICE = 19
+"""How much lower the CPU priority of kvlayer's background threads is (Linux per-thread nice): on
+a busy CPU the engine's own threads come first, and background work takes the time they leave."""
+
+_background: contextvars.ContextVar[bool] = contextvars.ContextVar("kvlayer_background", default=False)
+_pool: list[concurrent.futures.ThreadPoolExecutor] = []
+_pool_lock = threading.Lock()
+
+
+def lower_priority() -> None:
+    """Lower the calling thread's CPU priority by ``BACKGROUND_NICE`` (where the OS allows it)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: full priority
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+
+
+@contextlib.contextmanager
+def background() -> Iterator[None]:
+    """Within it, the I/O this thread hands the loop (``IOLoop.run``/``submit``: the coroutines
+    inherit the caller's context) is background work: the blocking part a tier runs on threads
+    (file reads) goes to ``blocking_executor``'s lower-priority threads."""
+    token = _background.set(True)
+    try:
+        yield
+    finally:
+        _background.reset(token)
+
+
+def blocking_executor() -> concurrent.futures.Executor | None:
+    """Where a tier's coroutine runs its blocking calls (``run_in_executor``): a shared pool of
+    lower-priority threads for background work (``background``), else None (the loop's default)."""
+    if not _background.get():
+        return None
+    with _pool_lock:
+        if not _pool:
+            _pool.append(concurrent.futures.ThreadPoolExecutor(
+                max(4, os.cpu_count() or 1), thread_name_prefix="kvlayer-background", initializer=lower_priority))
+        return _pool[0]
 
 
 class _Handoff:

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from kvlayer import KVCacheEngine, KVLayout
-from kvlayer.async_loads import BACKGROUND_NICE, AsyncLoader, AsyncLoads, LoadResult, below_memory, lower_tiers
+from kvlayer.async_loads import AsyncLoader, AsyncLoads, LoadResult, below_memory, lower_tiers
 from kvlayer.config import KVLayerConfig
+from kvlayer.io_loop import BACKGROUND_NICE, background, blocking_executor
 from kvlayer.step import LoadSpec, StepCounts, slots_of
 from kvlayer.step_stats import StepStats
 
@@ -92,6 +93,28 @@ def test_the_loads_run_on_a_thread_of_lower_cpu_priority() -> None:
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert seen[0][0].startswith("kvlayer-async-load")
     assert seen[0][1] == min(mine + BACKGROUND_NICE, 19)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice is Linux's")
+def test_background_io_reads_files_on_lower_priority_threads(tmp_path) -> None:
+    """Inside ``background()`` (an async load), the NVMe tier's file reads run on the shared pool of
+    lower-priority threads; the bytes are the same; outside it, the loop's default threads."""
+    src, dst = caches(), caches(fill=False)
+    slots = slots_of(LAYOUT, BLOCKS, 16, torch.device("cpu"))
+    cfg = {"chunk_size": 8, "cpu_capacity": 0, "nvme_path": str(tmp_path)}
+    with KVCacheEngine(cfg, LAYOUT, model_name="m") as eng:
+        assert eng.store(TOKENS, src, slots) == 2 and eng.flush(timeout=10)
+        assert blocking_executor() is None
+        with background():
+            pool = blocking_executor()
+            assert pool is not None
+            assert eng.retrieve(TOKENS, dst, slots) == 16
+            assert any(t.name.startswith("kvlayer-background") for t in threading.enumerate()), "the reads ran there"
+            mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            names, nice = pool.submit(lambda: (threading.current_thread().name,
+                                               os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))).result()
+        assert torch.equal(kv_at(dst, BLOCKS), kv_at(src, BLOCKS))
+        assert names.startswith("kvlayer-background") and nice == min(mine + BACKGROUND_NICE, 19)
 
 
 def test_a_load_is_read_whole_into_its_blocks_counted_and_reported_once(kv) -> None:
