@@ -17,6 +17,10 @@ restarted server finds them again; a chunk's size comes with the ``LEASE`` that 
   another size (its header disagrees), is a miss, and the next tier is tried; a lease of size 0
   (not known) or of a size no chunk can have is not promoted.
 
+A tier without ranged reads (a Redis Cluster: ``RedisBackend.ranged_reads`` is false) reads
+whole chunks through a staging slot of ``STAGING_BYTES``, one chunk at a time; a bigger chunk is
+not promoted from it (``oversized_leases``).
+
 A tier that raised is skipped for ``BACKOFF_S`` (its calls would each wait out a timeout).
 Faults are counted in ``stats()`` and logged once per kind.
 """
@@ -51,8 +55,11 @@ BYTES_LAYOUT = KVLayout(1, 1, 1, torch.float16, 1, LATENT_CACHE_LAYOUT)
 """Chunk shape ``(1, 1, tokens, 1, 1)`` of float16: a chunk of ``n`` bytes is ``n / 2`` "tokens"."""
 ITEM = 2
 BACKOFF_S = 5.0
+STAGING_BYTES = 64 << 20
+"""The staging slot a tier without ranged reads reads a chunk through (its pages are touched only
+when used); the largest chunk such a tier promotes."""
 COUNTERS = ("written", "write_errors", "skipped_writes", "bad_checksums", "odd_sizes", "lookup_errors", "promoted",
-            "promote_misses", "unsized_leases", "read_errors")
+            "promote_misses", "unsized_leases", "oversized_leases", "read_errors")
 
 
 def bytes_key(key: Key, size: int = ITEM) -> ChunkKey:
@@ -89,7 +96,8 @@ class LowerTiers:
         """The tiers ``config`` names (``nvme_path``/``nvme_capacity``, ``redis_url`` and its
         settings), raw whatever its ``compression``; None when it names none."""
         tiers: list[LowerTier] = []
-        staging = Arena(0, 1, name="cache-server staging")  # reads land in the arena, never here
+        # ranged reads land in the arena; a tier without them reads through this one slot
+        staging = Arena(STAGING_BYTES, STAGING_BYTES, name="cache-server staging")
         nvme = config.tiers.get("nvme")
         if nvme is not None and nvme.enabled:
             from kvlayer.backends.nvme import NvmeBackend
@@ -195,8 +203,17 @@ class LowerTiers:
         todo = [i for i in missing if 0 < items[i].size <= index.capacity and not items[i].size % ITEM]
         self._stats["unsized_leases"] += len(missing) - len(todo)
         for tier in self.tiers:
-            if todo and tier.up:
+            if not todo or not tier.up:
+                continue
+            if getattr(tier.backend, "ranged_reads", True):
                 todo = await self._promote_from(tier, index, session, items, out, todo)
+                continue
+            fits = [i for i in todo if items[i].size <= STAGING_BYTES]  # through staging, one at a time
+            self._stats["oversized_leases"] += len(todo) - len(fits)
+            left = [i for i in todo if i not in fits]
+            for i in fits:
+                left += await self._promote_from(tier, index, session, items, out, [i])
+            todo = sorted(left)
         self._stats["promote_misses"] += len(todo)
         return out
 

@@ -205,3 +205,34 @@ def test_dead_redis_and_full_nvme_keep_serving(tmp_path, sock_path):
             store(c, keys(1, b"new"), payloads(1))  # and stores still land in the arena
         out = server.output()
         assert "redis failed" in out
+
+
+def test_a_redis_cluster_below_the_server_serves_a_restarted_server(tmp_path, sock_path):
+    """``redis_cluster: true``: the server writes each chunk through to a 3-node Redis Cluster (the
+    keys land on the cluster's nodes) and a restarted server, its arena empty and no NVMe tier,
+    promotes them back, byte for byte."""
+    from redis.cluster import RedisCluster
+
+    from ..redis_server import RedisClusterNodes
+
+    with RedisClusterNodes() as cluster:
+        server = configured(tmp_path, sock_path, redis_url=cluster.url, redis_cluster="true")
+        ks, datas = keys(4, b"cluster"), payloads(4)
+        names = [f"kvlayer:{{{k.digest.hex()}}}" for k in ks]
+        r = RedisCluster.from_url(cluster.url)
+        try:
+            with server.client() as c:
+                store(c, ks, datas)
+                wait_for(lambda: sum(r.exists(n) for n in names) == len(ks), "the write-through")
+            slots = {r.keyslot(n) for n in names}
+            nodes = {r.get_node_from_key(n).port for n in names}
+            assert len(slots) == len(ks) and len(nodes) > 1, "the chunks spread over the cluster's nodes"
+            server.kill()
+            server.start()
+            with server.client() as c:
+                assert c.stats().chunks == 0 and c.lookup(ks) == len(ks)
+                got = loaded(c, ks, sizes(datas))
+            assert got == datas, server.output()[-3000:]
+        finally:
+            r.close()
+        server.output()
