@@ -31,6 +31,12 @@ class Scrubbed(Protocol):
     hashed_bytes: int
 
 
+class Counted(Protocol):
+    """What the collector reads of a server's lower tiers (``LowerTiers``)."""
+
+    def stats(self) -> dict[str, int]: ...
+
+
 class Accounted(Protocol):
     """What the collector reads of a server (``CacheServer``)."""
 
@@ -38,6 +44,7 @@ class Accounted(Protocol):
     accepted: int
     refusals: dict[str, int]
     scrub: Scrubbed
+    lower: Counted | None
 
     def stats(self) -> wire.Stats: ...
 
@@ -83,6 +90,13 @@ class ServerCollector(Collector):
         for reason, n in sorted(self._server.refusals.items()):
             fam.add_metric([reason], n)
         yield fam
+        if self._server.lower is not None:
+            fam = CounterMetricFamily(PREFIX + "lower_events", "cache server: its NVMe and Redis tiers' counts "
+                                      "(writes, write errors, promotions, misses, their backends' counters)",
+                                      labels=["counter"])
+            for name, n in sorted(self._server.lower.stats().items()):
+                fam.add_metric([name], n)
+            yield fam
         yield from _tenant_families(index.tenants())
 
 

@@ -140,8 +140,11 @@ def test_restarted_server_serves_its_nvme_chunks(tmp_path, sock_path):
 
 
 def test_corrupt_nvme_file_is_a_counted_miss(tmp_path, sock_path):
+    from .test_ops import free_port, scrape
+
     root = tmp_path / "nvme"
-    server = configured(tmp_path, sock_path, nvme_path=root, nvme_capacity="8MiB")
+    port = free_port()
+    server = configured(tmp_path, sock_path, nvme_path=root, nvme_capacity="8MiB", cache_metrics_port=port)
     ks, datas = stored_on_nvme(server, root, 2)
     server.kill()
     bad = files(root, ks)[1]
@@ -155,6 +158,9 @@ def test_corrupt_nvme_file_is_a_counted_miss(tmp_path, sock_path):
         assert loaded(c, ks, sizes(datas)) == [datas[0], None]
         assert not os.path.exists(bad)  # a corrupt file is deleted
         assert c.lookup(ks) == 1
+    lower = {labels[0][1]: v for (name, labels), v in scrape(port).items()
+             if name == "kvlayer_cache_server_lower_events_total"}
+    assert lower["nvme_checksum_errors"] == 1 and lower["promoted"] == 1 and lower["promote_misses"] == 1, lower
     assert "checksum_errors" in server.output()
 
 
