@@ -146,9 +146,7 @@ class CacheServerBackend(StorageBackend):
         hashes run on ``HASH_THREADS`` threads (xxhash releases the GIL). A range that fails is
         released and counted."""
         todo = [i for i, ok in enumerate(fits) if ok and self._to_hash(link, keys[i], leases[i])]
-        loop = asyncio.get_running_loop()
-        sums = await asyncio.gather(*(loop.run_in_executor(_hash_pool(), _checksum, link, leases[i].offset,
-                                                           leases[i].size) for i in todo))
+        sums = await _checksums(link, [(leases[i].offset, leases[i].size) for i in todo])
         good = list(fits)
         for i, got in zip(todo, sums):
             key, lease = keys[i], leases[i]
@@ -213,9 +211,7 @@ class CacheServerBackend(StorageBackend):
                         view.copy_(chunks[i].tensor.reshape(-1))
                         commits.append((i, offset))
             for batch in _batches(commits):
-                loop = asyncio.get_running_loop()
-                sums = await asyncio.gather(*(loop.run_in_executor(_hash_pool(), _checksum, link, offset,
-                                                                   chunks[i].nbytes) for i, offset in batch))
+                sums = await _checksums(link, [(offset, chunks[i].nbytes) for i, offset in batch])
                 items = [(keys[i].digest, checksum) for (i, _), checksum in zip(batch, sums)]
                 done = wire.parse_count(await link.call(Op.COMMIT, wire.commit(items)))
                 if done != len(items):  # the server lost reservations it granted: trust none of it
@@ -324,9 +320,13 @@ def _announced(ctx: BackendContext) -> bytes:
     return namespace_to_wire(ctx.namespace, ctx.config.save_partial_chunks).SerializeToString(deterministic=True)
 
 
-def _checksum(link: Link, offset: int, nbytes: int) -> int:
-    """The xxh3 checksum of the arena's bytes ``[offset, offset + nbytes)``."""
-    return xxhash.xxh3_64_intdigest(link.view[offset:offset + nbytes])
+async def _checksums(link: Link, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """The xxh3 checksum of the arena's bytes ``[offset, offset + nbytes)`` of each range, hashed
+    side by side on ``_hash_pool`` (xxhash releases the GIL)."""
+    loop = asyncio.get_running_loop()
+    view = link.view
+    return list(await asyncio.gather(*(loop.run_in_executor(_hash_pool(), xxhash.xxh3_64_intdigest,
+                                                            view[offset:offset + n]) for offset, n in ranges)))
 
 
 _hash_threads: list[ThreadPoolExecutor] = []
@@ -343,7 +343,7 @@ def _hash_pool() -> ThreadPoolExecutor:
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
+    n = dtype.itemsize
     for s in shape:
         n *= s
     return n

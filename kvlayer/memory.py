@@ -169,7 +169,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _round_up(x: int, m: int) -> int:

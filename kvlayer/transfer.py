@@ -54,9 +54,6 @@ _WIDE = torch.complex128
 """The widest torch dtype: 16 bytes, copied by plain moves (no arithmetic touches the bits)."""
 
 
-_SIZES = {torch.complex128: 16, torch.float64: 8}
-"""The bytes of each element a wide view may use."""
-
 _GRAIN = 32768
 """torch's parallel grain (``at::internal::GRAIN_SIZE``): an op over more elements runs on its threads."""
 
@@ -70,7 +67,7 @@ def _wide(rows: torch.Tensor, element: torch.dtype = _WIDE) -> torch.Tensor | No
     elements of ``element`` (16 bytes by default, or 8), ``[..., row_bytes // size]``; None where a
     row is not contiguous, a multiple of ``size`` bytes and ``size``-aligned, or another stride is
     not a multiple of ``size`` bytes."""
-    size = _SIZES[element]
+    size = element.itemsize
     if rows.data_ptr() % size or rows.stride(-1) != 1 or (rows.shape[-2] != 1 and rows.stride(-2) != rows.shape[-1]):
         return None
     try:  # with the rows contiguous, flatten is a view; view(dtype) refuses the other cases itself
