@@ -1,12 +1,14 @@
 """The instances a router may send requests to: who they are, what they serve, how loaded.
 
 ``Fleet.refresh()`` (run every ``refresh_s`` by ``run()``) takes the instances the
-controller lists as up, with an HTTP address, and probes each one: ``GET /v1/models`` for the
+controller lists as up or syncing, with an HTTP address, and probes each one: ``GET /v1/models`` for the
 model names it serves (once, and again after a failure) and ``GET /metrics`` for its load
 (running plus waiting requests: ``kvlayer_serve_requests_*`` from ``kvlayer serve``,
 ``vllm:num_requests_*`` from vLLM). An instance that fails a probe, or a request
 (``mark_down``), leaves the routing set at once and rejoins when a later probe answers. When
-the controller is away the last list is kept, so routing goes on by load. Requests cost no
+the controller is away the last list is kept, so routing goes on by load; an instance that
+still answers its probes but is missing from the list (a controller just restarted, before
+the instances registered again) stays for ``forget_after_s``. Requests cost no
 probe: loads are read in the background, and ``inflight`` (this router's open requests on
 an instance) keeps them current between probes: an instance's load is what other clients had
 running or waiting at its last report, plus this router's open requests on it now.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -28,6 +31,7 @@ from kvlayer.router.controller_view import ControllerView
 log = logging.getLogger(__name__)
 
 ROLES = ("both", "prefill", "decode")
+_LIVE = (pb.INSTANCE_STATE_UP, pb.INSTANCE_STATE_SYNCING)
 _LOAD = re.compile(r"^(?:kvlayer_serve_requests_(?:running|waiting)|vllm:num_requests_(?:running|waiting))"
                    r"(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
@@ -48,6 +52,8 @@ class Instance:
     inflight: int = 0
     routed: int = 0
     """Requests this router sent it."""
+    unlisted_since: float | None = None
+    """When (``time.monotonic()``) the controller's list last began to leave it out."""
 
     @property
     def load(self) -> int:
@@ -61,8 +67,9 @@ class Fleet:
     go with every probe (an instance API key)."""
 
     def __init__(self, view: ControllerView, http: httpx.AsyncClient, headers: dict[str, str] | None = None,
-                 refresh_s: float = 0.5, probe_timeout_s: float = 2.0) -> None:
+                 refresh_s: float = 0.5, probe_timeout_s: float = 2.0, forget_after_s: float = 10.0) -> None:
         self.view = view
+        self.forget_after_s = forget_after_s
         self.http = http
         self.headers = headers or {}
         self.refresh_s = refresh_s
@@ -86,11 +93,16 @@ class Fleet:
 
     def _update(self, infos: list[pb.InstanceInfo]) -> None:
         # A node cache server registers too (role "cache-server"), but serves no requests.
+        # One that is registering again (syncing its snapshot) is alive: it stays routable.
         listed = {i.instance_id: i for i in infos
-                  if i.state == pb.INSTANCE_STATE_UP and i.address and (i.role or "both") in ROLES}
+                  if i.state in _LIVE and i.address and (i.role or "both") in ROLES}
+        now = time.monotonic()
         for gone in set(self.instances) - set(listed):
-            log.info("kvlayer router: %s left the controller's list", gone)
-            del self.instances[gone]
+            inst = self.instances[gone]
+            inst.unlisted_since = now if inst.unlisted_since is None else inst.unlisted_since
+            if not inst.up or now - inst.unlisted_since >= self.forget_after_s:
+                log.info("kvlayer router: %s left the controller's list", gone)
+                del self.instances[gone]
         for iid, info in listed.items():
             url = _base_url(info.address)
             role = getattr(info, "role", "") or "both"
@@ -98,7 +110,7 @@ class Fleet:
             if known is None or known.url != url:
                 self.instances[iid] = Instance(iid, url, info.namespace.model_name, role)
             else:
-                known.role, known.model_name = role, info.namespace.model_name
+                known.role, known.model_name, known.unlisted_since = role, info.namespace.model_name, None
 
     async def _probe(self, inst: Instance) -> None:
         try:
