@@ -85,6 +85,7 @@ class SchedulerSide:
         self._lower = lower_tiers(config) if config.async_loads else None
         # vLLM takes a failed load of several KV-cache groups only per request, of an async load
         self._every_async = groups is not None and groups.num_groups > 1
+        self._reset = False
 
     @property
     def async_loads(self) -> int:
@@ -131,7 +132,8 @@ class SchedulerSide:
             loads += [load] if load is not None else []
             saves += [save] if save is not None else []
         waiting, more = self._tracker.take_async_loads()  # not scheduled: vLLM waits for their KV
-        return StepSpec(tuple(loads), tuple(saves + more), tuple(waiting))
+        reset, self._reset = self._reset, False
+        return StepSpec(tuple(loads), tuple(saves + more), tuple(waiting), reset)
 
     def _scheduled(self, out: Any) -> Iterable[tuple[str, int]]:
         """``(request id, computed tokens before this step)`` of every scheduled request, keeping
@@ -148,6 +150,12 @@ class SchedulerSide:
             elif added:
                 self._tracker.add_blocks(rid, *block_tables(added[0], added))
             yield rid, cached.num_computed_tokens[i]
+
+    def reset(self) -> None:
+        """vLLM reset its prefix cache: no chunk stored before is found again
+        (``RequestTracker.reset``), and the next step empties the workers' CPU tiers."""
+        self._tracker.reset(self.config.cache_salt)
+        self._reset = True
 
     def finished(self, request_id: str) -> None:
         """``request_id`` finished or was aborted: forget it (an async load of its own still

@@ -5,17 +5,12 @@
         "kv_connector_extra_config": {"cpu_capacity": "8GiB", "nvme_path": "/mnt/nvme/kv"}}'
 
 vLLM builds one instance per role: the scheduler's in its engine-core process
-(``vllm_scheduler.SchedulerSide``) and one per worker (``vllm_worker.WorkerSide``, which owns
-the tiers). They share only vLLM's per-step metadata (the step layer's ``StepSpec``) and the lookup channel
-(``lookup_channel``). This class translates vLLM's interface (``KVConnectorBase_V1``, as installed)
-into those two and nothing more (docs/architecture.md section 10). A CPU-tier or cache-server hit
-loads within the step, layer by layer where ``layerwise`` says so; an NVMe or Redis hit loads in
-the background (``async_loads``: vLLM's ``load_kv_async``, reported by ``get_finished``); saves copy out
-within the step, so a finished request's blocks are never held (``request_finished`` answers
-False). With vLLM's KV-cache events on
-(``kv_events_config``), the workers report what enters and leaves kvlayer's tiers as vLLM's
-``BlockStored`` and ``BlockRemoved`` events (``get_kv_connector_kv_cache_events``), which the
-scheduler side hands to vLLM (``take_events``).
+(``vllm_scheduler.SchedulerSide``) and one per worker (``vllm_worker.WorkerSide``, which owns the
+tiers). They share only vLLM's per-step metadata (the step layer's ``StepSpec``) and the lookup
+channel (``lookup_channel``). This class translates vLLM's interface (``KVConnectorBase_V1``, as
+installed) into those two and nothing more (docs/architecture.md section 10); docs/vllm.md says
+how loads, saves, async loads, resets and vLLM's KV-cache events (``BlockStored``,
+``BlockRemoved`` for what enters and leaves kvlayer's tiers) go through it.
 """
 
 from __future__ import annotations
@@ -35,16 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import BlockHash, ExternalBlockHash, maybe_convert_block_hash
 
+from kvlayer.connectors import vllm_setup as setup
 from kvlayer.connectors.lookup_channel import LookupClient, socket_path
 from kvlayer.connectors.vllm_groups import kv_cache_groups
 from kvlayer.connectors.vllm_scheduler import RankedLookups, SchedulerSide
-from kvlayer.connectors.vllm_setup import (
-    cache_layout,
-    check_block_size,
-    kvlayer_config,
-    model_identity,
-    with_served_name,
-)
 from kvlayer.connectors.vllm_worker import WorkerSide
 from kvlayer.step import StepSpec
 from kvlayer.tier_events import Stored, TierEvent
@@ -72,10 +61,9 @@ class KVLayerStats(KVConnectorStats):
 
 
 class KVLayerKVEvents(KVConnectorKVEvents):
-    """The KV-cache events of one step's workers (vLLM's ``KVConnectorKVEvents``); vLLM's
-    ``KVOutputAggregator`` appends each worker's to the first one's. ``aggregate`` keeps every
-    event: each tensor-parallel rank's chunks have keys of their own (the rank is part of the
-    namespace), so there are no events common to all workers to keep."""
+    """The KV-cache events of one step's workers (vLLM's ``KVConnectorKVEvents``), each worker's
+    appended to the first one's by vLLM. ``aggregate`` keeps every event: each tensor-parallel
+    rank's chunks have keys of their own (the rank is in the namespace), none common to all."""
 
     def __init__(self, events: Iterable[KVCacheEvent] = (), num_workers: int = 1) -> None:
         self._events = list(events)
@@ -150,9 +138,9 @@ class KVLayerConnectorV1(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self._config = with_served_name(kvlayer_config(transfer.kv_connector_extra_config), vllm_config)
+        self._config = setup.with_served_name(setup.kvlayer_config(transfer.kv_connector_extra_config), vllm_config)
         self._block_size = int(vllm_config.cache_config.block_size)
-        check_block_size(self._config, self._block_size)
+        setup.check_block_size(self._config, self._block_size)
         self._groups = kv_cache_groups(kv_cache_config, self._block_size)
         """vLLM's KV-cache groups (several under its hybrid manager; docs/vllm.md, "Hybrid models")."""
         self._per_request_failures = self._groups is not None and self._groups.num_groups > 1
@@ -203,9 +191,9 @@ class KVLayerConnectorV1(KVConnectorBase_V1, SupportsHMA):
         # each layer's window, for the window-aware tiers (only under vLLM's hybrid manager:
         # without it every layer's blocks hold every token, and kvlayer stores them all)
         windows = groups.layer_windows if groups is not None and self._config.window_aware else ()
-        layout = cache_layout(first, model.get_num_kv_heads(self._vllm_config.parallel_config),
-                              model.get_head_size(), self._block_size, first.dtype, len(names), windows)
-        name, fingerprint = model_identity(str(model.model), getattr(model, "revision", None))
+        layout = setup.cache_layout(first, model.get_num_kv_heads(self._vllm_config.parallel_config),
+                                    model.get_head_size(), self._block_size, first.dtype, len(names), windows)
+        name, fingerprint = setup.model_identity(str(model.model), getattr(model, "revision", None))
         rank = _tp_rank(self._tp)
         engine = {"model_name": name, "model_fingerprint": fingerprint, "device": str(first.device),
                   "tp_rank": rank, "tp_size": self._tp}
@@ -312,6 +300,13 @@ class KVLayerConnectorV1(KVConnectorBase_V1, SupportsHMA):
                 self._events.extend(events.get_all_events())
             except Exception:
                 self._lost_events("collecting")
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: ``SchedulerSide.reset``."""
+        if self._scheduler is None:
+            return None
+        self._scheduler.reset()
+        return True
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The workers' events since the last call (vLLM publishes them after its own)."""

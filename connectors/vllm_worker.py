@@ -72,6 +72,8 @@ class WorkerSide:
     def bind(self, meta: StepSpec) -> None:
         """The step's metadata, before its forward pass; its async loads start at once."""
         self._meta, self._step = meta, None
+        if meta.reset:
+            self.kv.drop_private_memory()
         self._async.start(meta.async_loads, self._views)
 
     def start_load(self) -> None:

@@ -42,6 +42,9 @@ from kvlayer.windows import Found, find_prefix
 
 log = logging.getLogger(__name__)
 
+PRIVATE_MEMORY_TIERS = ("gpu", "cpu")
+"""The tiers that live in this process's memory alone (a cache server's arena is shared)."""
+
 
 class KVCacheEngine:
     """Stores and retrieves chunks of a paged KV cache through kvlayer's tiers.
@@ -90,7 +93,7 @@ class KVCacheEngine:
         self.groups = [(0, layout.num_layers)] if split else layer_groups(
             layout.num_layers, layout.chunk_bytes(self.config.chunk_size) // layout.num_layers)
         self.tiers.warm_up()
-        self._known: dict[str, list[ChunkKey]] = {}
+        self._known: dict[str, tuple[str | None, list[ChunkKey]]] = {}  # request -> (salt, full chunks' keys)
         self._keys_lock = threading.Lock()
         self._loader: ThreadPoolExecutor | None = None
         self._streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
@@ -107,16 +110,18 @@ class KVCacheEngine:
 
     def _request_keys(self, request_id: str | None, token_ids: Sequence[int], salt: str | None) -> list[ChunkKey]:
         """``keys``; for a tracked request each full chunk's key is computed once and kept until
-        ``forget`` (its tokens only grow). Thread-safe (vLLM's lookup channel answers on its own)."""
+        ``forget`` (its tokens only grow) or its salt changes. Thread-safe (vLLM's lookup channel
+        answers on its own)."""
         if request_id is None:
             return self.keys(token_ids, salt)
         with self._keys_lock:
-            known = self._known.get(request_id, [])
+            known_salt, known = self._known.get(request_id, (salt, []))
+        known = known if known_salt == salt else []  # a reset gave the request another salt
         keys = self.keys(token_ids, salt, prefix=known)
         full = [k for k in keys if k.num_tokens == self.config.chunk_size]
         if len(full) > len(known):
             with self._keys_lock:
-                self._known[request_id] = full
+                self._known[request_id] = (salt, full)
         return keys
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -289,3 +294,8 @@ class KVCacheEngine:
     def evict_all(self, tier: str | None = None) -> int:
         """Remove every unpinned chunk from ``tier`` (every tier if None); returns how many."""
         return tier_admin.remove_all(self.tiers, tier)
+
+    def drop_private_memory(self) -> int:
+        """Remove every unpinned chunk from this process's own memory tiers (gpu, cpu; never a
+        shared one), as after the engine's cache reset; returns how many."""
+        return sum(self.evict_all(t) for t in self.tiers.tier_names if t in PRIVATE_MEMORY_TIERS)

@@ -21,7 +21,9 @@ rules every engine shares:
   (``SaveSpec.verify_upto``, ``kvlayer.verify``);
 - a load granted as an async load (``kvlayer.async_loads``) is handed out once, in the next
   step, to a request the engine keeps waiting for it (``take_async_loads``); the engine's
-  allocation once it is loaded only replaces the block table.
+  allocation once it is loaded only replaces the block table;
+- after ``reset`` (the engine dropped its cache: new weights) no chunk stored before is found
+  again, and a request that computed KV before it saves nothing until the engine restarts it.
 
 It holds no tiers and no keys: lookups go through ``lookup`` (in-process for the bundled
 engine, over the lookup channel for vLLM). Use it from the engine's scheduler thread.
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +44,9 @@ from kvlayer.step import LoadSpec, SaveSpec
 from kvlayer.windows import Found
 
 log = logging.getLogger(__name__)
+
+RESET_MARK = "\x1fkvlayer-reset:"
+"""Joins a request's salt and the tag of the last ``RequestTracker.reset``."""
 
 TrackerLookup = Callable[[str, Sequence[int], "str | None", int, int], Found]
 """(request id, token ids, salt, start, limit) -> the window-aware lookup's answer: a prefix of
@@ -75,6 +82,8 @@ class _Request:
     sampled: bool | None = None
     """Whether the request's hit is verified instead of loaded (decided at its first hit)."""
     verify_upto: int = 0
+    stale: bool = False
+    """It computed KV before a ``reset``: it saves nothing until the engine restarts it."""
 
 
 class RequestTracker:
@@ -110,6 +119,7 @@ class RequestTracker:
         """Chunks not saved because a sliding window released one of their blocks."""
         self.async_loads = 0
         """Loads handed out as async loads (``take_async_loads``)."""
+        self._reset: tuple[str, str] | None = None  # (the last reset's tag, the salt None stands for)
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -117,9 +127,29 @@ class RequestTracker:
     def _get(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None) -> _Request:
         st = self._reqs.get(rid)
         if st is None:
-            st = self._reqs[rid] = _Request(token_ids, num_prompt, salt)
+            st = self._reqs[rid] = _Request(token_ids, num_prompt, self._salted(salt))
         st.token_ids = token_ids
         return st
+
+    def reset(self, instance_salt: str = "") -> None:
+        """The engine dropped its cache (vLLM's ``reset_prefix_cache``, as after a weight update):
+        from now on every request's salt is joined with a new random tag (``instance_salt``
+        standing for a request's None), so no chunk stored before, here or by another instance
+        sharing the tiers, is found again, nor one of another reset. Live requests are looked up
+        again under it; one that computed KV before saves nothing until ``preempted`` (its KV may
+        come from the old weights), and a load granted to it misses (the engine recomputes)."""
+        self._reset = (secrets.token_hex(8), instance_salt)
+        for st in self._reqs.values():
+            st.salt, st.found, st.asked = self._salted(st.salt), Found(0), None
+            if st.block_ids or st.saved_upto or st.start:
+                st.stale, st.saved_upto = True, sys.maxsize
+
+    def _salted(self, salt: str | None) -> str | None:
+        if self._reset is None:
+            return salt
+        tag, instance_salt = self._reset
+        base = instance_salt if salt is None else salt.split(RESET_MARK, 1)[0]
+        return f"{base}{RESET_MARK}{tag}"
 
     # ----- admission ----------------------------------------------------------------------
     def matched(self, rid: str, token_ids: Sequence[int], num_prompt: int, salt: str | None,
@@ -133,7 +163,7 @@ class RequestTracker:
         now = time.monotonic()
         asked = (len(token_ids), num_computed)
         if st.asked is None or st.asked[:2] != asked or now - st.asked[2] >= self._reuse_s:
-            st.found = self._lookup(rid, token_ids, salt, num_computed, limit) if limit > num_computed else Found(0)
+            st.found = self._lookup(rid, token_ids, st.salt, num_computed, limit) if limit > num_computed else Found(0)
             st.asked = (*asked, now)
         st.start = num_computed
         hit = max(0, min(st.found.num_tokens, limit) - num_computed)
@@ -221,6 +251,8 @@ class RequestTracker:
         st = self._reqs.get(rid)
         if st is not None:
             st.block_ids, st.groups, st.load = [], [], None
+            if st.stale:  # computed again from the start, under the new weights
+                st.stale, st.saved_upto = False, 0
 
     # ----- one step -----------------------------------------------------------------------
     def step(self, rid: str, num_computed: int, num_scheduled: int) -> tuple[LoadSpec | None, SaveSpec | None]:

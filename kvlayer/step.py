@@ -95,6 +95,9 @@ class StepSpec:
     async_loads: tuple[LoadSpec, ...] = ()
     """Loads the engine does not wait for (vLLM's ``load_kv_async``): each runs whole in the
     background, outside the step, and the worker reports when its blocks are written."""
+    reset: bool = False
+    """The engine dropped its cache since the last step: the worker empties its process's own
+    memory tiers first (``KVCacheEngine.drop_private_memory``)."""
 
 
 Keys = Callable[[str, Sequence[int], "str | None"], list[ChunkKey]]

@@ -143,3 +143,34 @@ def test_every_rank_is_asked_and_the_fewest_tokens_win() -> None:
         "a rank that cannot be asked is a miss"
     with pytest.raises(ValueError, match="at least one rank"):
         RankedLookups([])
+
+
+def test_a_reset_gives_every_request_a_new_salt_and_tells_the_workers_once() -> None:
+    s = SchedulerSide(KVLayerConfig(chunk_size=CHUNK, cpu_capacity=0, cache_salt="inst"), FakeLookups(16), BS)
+    lookups = s._lookups
+    running, waiting = request("run", 24, salt="t"), request("wait", 20)
+    s.matched(running, 0)
+    s.allocated(running, [1, 2, 3, 4, 5, 6], 0)
+    s.build(output(new=[("run", [1, 2, 3, 4, 5, 6], 0)], scheduled={"run": 12}))  # computed KV: saved a chunk
+    s.matched(waiting, 0)
+    assert lookups.asked[-1][1] is None, "no salt given: the instance's, as the worker reads None"
+
+    s.reset()
+    assert s.matched(waiting, 0) == 16, "looked up again at once, under the new salt"
+    salt = lookups.asked[-1][1]
+    assert salt.startswith("inst\x1fkvlayer-reset:") and len(salt) > len("inst\x1fkvlayer-reset:")
+    meta = s.build(output(cached=[("run", None, 12)], scheduled={"run": 12}))
+    assert meta.reset and meta.saves == (), "its KV may be the old weights': the running request saves nothing"
+    assert not s.build(output()).reset, "the workers are told once"
+
+    fresh = request("new", 20, salt="t")
+    s.matched(fresh, 0)
+    assert lookups.asked[-1][1] == salt.replace("inst", "t"), "a later request: its own salt, the same tag"
+    s.build(output(preempted=["run"]))  # vLLM restarts it: computed again, under the new weights
+    resumed = s.build(output(cached=[("run", [7, 8, 9, 10, 11, 12], 0)], scheduled={"run": 24}, resumed=["run"]))
+    (save,) = resumed.saves
+    assert (save.first, save.salt, save.block_ids) == (0, salt.replace("inst", "t"), (7, 8, 9, 10, 11, 12))
+
+    s.reset()
+    s.matched(fresh, 0)
+    assert lookups.asked[-1][1] != salt.replace("inst", "t"), "each reset a new tag: never an earlier one's chunks"

@@ -124,7 +124,8 @@ def cpu_run(llama, work) -> dict[str, Any]:
     cfg = {"cpu_capacity": "256MiB", "chunk_size": CHUNK}
     salted = {"prompts": PROMPTS[:2], "salts": ["tenant-a", "tenant-a"]}
     return drive({"model": llama, "kvlayer": cfg, "kv_events": True, "rounds": [
-        {"prompts": PROMPTS}, {"prompts": PROMPTS}, {"prompts": CONCURRENT}, salted, salted]}, work)
+        {"prompts": PROMPTS}, {"prompts": PROMPTS}, {"prompts": CONCURRENT}, salted, salted,
+        {"prompts": PROMPTS, "reset": True}, {"prompts": PROMPTS}]}, work)
 
 
 def test_cpu_tier_hits_give_vllms_own_tokens(baseline, cpu_run) -> None:
@@ -151,8 +152,25 @@ def test_vllms_kv_cache_events_name_the_chunks_kvlayer_stored(cpu_run) -> None:
     assert not set(salted) & set(first), "a salt gives chunks keys of their own"
     assert stored(cpu_run, [3], "kvlayer:cpu") == sorted(salted.items())
     assert stored(cpu_run, [4], "kvlayer:cpu") == []
-    assert {e["type"] for r in cpu_run["rounds"] for e in r["events"]} == {"BlockStored"}, "256 MiB: nothing evicted"
+    assert {e["type"] for r in cpu_run["rounds"][:5] for e in r["events"]} == {"BlockStored"}, \
+        "256 MiB: nothing evicted"
     assert replayed(cpu_run, "kvlayer:cpu") == held(cpu_run, "cpu")
+
+
+def test_vllms_reset_prefix_cache_drops_kvlayers_cpu_tier_and_every_earlier_chunk(baseline, cpu_run) -> None:
+    """``LLM.reset_prefix_cache(reset_connector=True)`` (as after a weight update) before round 5."""
+    assert cpu_run["resets"] == [True]
+    reset, again = cpu_run["rounds"][5], cpu_run["rounds"][6]
+    assert reset["tokens"] == again["tokens"] == baseline["rounds"][0]["tokens"]
+    assert reset["cached"] == [0] * len(PROMPTS), "nothing stored before the reset is found again"
+    assert again["cached"] == [hits(p) for p in PROMPTS], "what is stored after it is"
+    assert tier(cpu_run, 5, "cpu")["used_bytes"] == tier(cpu_run, 0, "cpu")["used_bytes"], \
+        "the CPU tier holds only the prompts stored again (round 0's share), the rest dropped"
+    before = {h for r in cpu_run["rounds"][:5] for e in r["events"] if e["type"] == "BlockStored" for h in e["hashes"]}
+    removed = {h for e in reset["events"] if e["type"] == "BlockRemoved" for h in e["hashes"]}
+    assert removed == before, "vLLM hears of every dropped chunk"
+    now = {event_hash(d) for d in reset["held"]["cpu"]}
+    assert len(now) == len(chunks_of(cpu_run, 0, PROMPTS)) and not now & before, "stored again under new keys"
 
 
 def test_32_concurrent_requests_sharing_a_prefix(baseline, cpu_run) -> None:

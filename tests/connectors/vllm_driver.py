@@ -7,15 +7,17 @@ vLLM alone), ``prefix_caching`` (bool), ``block_size``, ``blocks`` (vLLM's block
 or null), ``kv_events`` (vLLM's KV-cache events: true for vLLM's "null" publisher, or a ZMQ
 endpoint for vLLM's ZMQ publisher, which the driver subscribes to), ``rounds``: a list of
 ``{"prompts": [[ids...]], "salts": [null | str, ...], "max_tokens": n, "wait_for": path | null}``.
-A round with ``wait_for`` first writes ``<path>.ready`` and waits
-until ``path`` exists (a test does something in between). The last line printed is JSON: per
-round the generated tokens and vLLM's ``num_cached_tokens`` of each prompt, and the worker's
-kvlayer stats after each round (where the worker is in this process), or ``{"error": ...}``
-when the engine does not start. With ``kv_events``, each round also has the KV-cache events
-vLLM's scheduler published during it (``_Published`` where the scheduler is in this process,
-``_Subscribed`` to the ZMQ endpoint otherwise): kvlayer's (``events``) and how many were vLLM's
-own (``kvlayer.tier_events``); and, where the worker is in this process, kvlayer's chunk keys of each
-prompt (``keys``, hex) and the digests each tier holds after the round (``held``, hex).
+A round with ``wait_for`` first writes ``<path>.ready`` and waits until ``path`` exists (a test
+does something in between); one with ``"reset": true`` first calls
+``LLM.reset_prefix_cache(reset_connector=True)`` (its answers: the result's ``resets``). The
+last line printed is JSON: per round the generated tokens and vLLM's ``num_cached_tokens`` of
+each prompt, and the worker's kvlayer stats after each round (where the worker is in this
+process), or ``{"error": ...}`` when the engine does not start. With ``kv_events``, each round
+also has the KV-cache events vLLM's scheduler published during it (``_Published`` where the
+scheduler is in this process, ``_Subscribed`` to the ZMQ endpoint otherwise): kvlayer's
+(``events``) and how many were vLLM's own (``kvlayer.tier_events``); and, where the worker is in
+this process, kvlayer's chunk keys of each prompt (``keys``, hex) and the digests each tier
+holds after the round (``held``, hex).
 ``hybrid_manager`` (bool) turns vLLM's hybrid KV cache manager on or off (unset: vLLM decides);
 the answer's ``kv_cache_groups`` lists vLLM's KV-cache groups where the scheduler is in this process.
 ``tensor_parallel_size`` > 1 runs that many worker processes (vLLM's "mp" executor); each round
@@ -186,6 +188,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for rnd in spec["rounds"]:
         if rnd.get("wait_for"):
             _wait(rnd["wait_for"])
+        if rnd.get("reset"):  # as after a weight update: vLLM's prefix cache and the connector's
+            out.setdefault("resets", []).append(llm.reset_prefix_cache(reset_connector=True))
         salts = rnd.get("salts") or [None] * len(rnd["prompts"])
         prompts = [{"prompt_token_ids": p, **({"cache_salt": s} if s else {})} for p, s in zip(rnd["prompts"], salts)]
         params = SamplingParams(max_tokens=rnd.get("max_tokens", 8), temperature=0, detokenize=False)

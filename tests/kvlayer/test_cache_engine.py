@@ -66,6 +66,28 @@ def test_prefix_and_salt(kv):
     assert kv.lookup([1] + tokens[1:]).num_tokens == 0  # the chain: a change early misses everything
 
 
+def test_a_tracked_requests_keys_follow_its_salt(kv):
+    tokens = list(range(50, 82))
+    kv.store(tokens, caches(), slots_for(32, 4))
+    assert kv.lookup(tokens, request_id="r").num_tokens == 32
+    assert kv.lookup(tokens, "reset", request_id="r").num_tokens == 0, "its kept keys were the old salt's"
+    assert kv.lookup(tokens, request_id="r").num_tokens == 32
+
+
+def test_dropping_private_memory_empties_the_cpu_tier_but_not_nvme(tmp_path):
+    with KVCacheEngine({"chunk_size": 8, "cpu_capacity": "1MiB", "nvme_path": str(tmp_path)}, LAYOUT,
+                       model_name="m", model_fingerprint="f") as eng:
+        tokens = list(range(50, 82))
+        assert eng.store(tokens, caches(), slots_for(32, 4)) == 4
+        eng.tiers.flush(10)
+        files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+        assert eng.drop_private_memory() == 4
+        assert eng.stats()["tiers"]["cpu"]["used_bytes"] == 0 and eng.snapshot()["cpu"] == []
+        assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == files, "NVMe keeps its files"
+        found = eng.lookup(tokens)
+        assert found.num_tokens == 32 and set(found.sources) == {eng.tier_names.index("nvme")}
+
+
 def test_partial_chunks_when_configured():
     with KVCacheEngine({"chunk_size": 8, "save_partial_chunks": True}, LAYOUT) as eng:
         tokens = list(range(20))
