@@ -17,7 +17,6 @@ one is waited for, as the engine keeps its blocks until the load is reported.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -116,7 +115,7 @@ class AsyncLoader:
         if not loads:
             return
         # the scatter of a load that runs beside the engine's steps uses its own thread only, not torch's team
-        ctx = dataclasses.replace(self._kv._step_context(), threads=1)
+        ctx = self._kv.step_context(threads=1)
         for load in loads:
             self._jobs.start(load.request_id, functools.partial(self._load_whole, ctx, caches, load))
 

@@ -148,10 +148,13 @@ class KVCacheEngine:
         """Start one engine step's loads and prepare its saves over ``caches`` (one paged view
         per layer, as ``layout.paged_view`` gives them); see ``kvlayer.step``. Keys come from the
         requests' kept keys (``lookup(request_id=...)``). Never raises for a tier failure."""
-        return StepTransfer(self._step_context(), spec, caches)
+        return StepTransfer(self.step_context(), spec, caches)
 
-    def _step_context(self, keys: list[ChunkKey] | None = None) -> StepContext:
-        """The step layer's view of this engine; ``keys``: those of a one-off transfer's tokens."""
+    def step_context(self, keys: list[ChunkKey] | None = None, threads: int | None = None) -> StepContext:
+        """The step layer's view of this engine, for a ``StepTransfer`` of one's own (an async
+        load's): ``keys`` those of a one-off transfer's tokens (None: the requests' kept keys),
+        ``threads`` the threads its CPU scatter may use (None: torch's). Makes the loader thread
+        on first use: call it on the thread that starts the steps."""
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvlayer-load")
             if self.device.type == "cuda":
@@ -159,7 +162,7 @@ class KVCacheEngine:
         return StepContext(self.tiers, self.chunk_staging, self.groups, self.layout, self.device,
                            self.config.layerwise, self._request_keys if keys is None else lambda *_: keys,
                            self._relookup, self._loader,
-                           self._streams, torch.get_num_threads(), self.config.storage_quantization)
+                           self._streams, threads or torch.get_num_threads(), self.config.storage_quantization)
 
     def _relookup(self, keys: Sequence[ChunkKey], start: int, limit: int) -> Found:
         return find_prefix(self.tiers, self.layout, keys, start, limit, False)
@@ -182,7 +185,7 @@ class KVCacheEngine:
         end = keys[-1].end
         self._check_slots(slot_mapping, end)
         spec = StepSpec(saves=(SaveSpec("store", cache_salt, tuple(token_ids[:end]), (), 0),))
-        step = StepTransfer(self._step_context(keys), spec, kv_caches, slots={"store": slot_mapping})
+        step = StepTransfer(self.step_context(keys), spec, kv_caches, slots={"store": slot_mapping})
         step.finish()
         return step.counts.saved_chunks
 
@@ -203,7 +206,7 @@ class KVCacheEngine:
         end = found.num_tokens
         self._check_slots(slot_mapping, end)
         load = LoadSpec("retrieve", cache_salt, (), (), start, end, found.sources)
-        step = StepTransfer(self._step_context(keys), StepSpec(loads=(load,)), kv_caches,
+        step = StepTransfer(self.step_context(keys), StepSpec(loads=(load,)), kv_caches,
                             slots={"retrieve": slot_mapping})
         return step.finish().get("retrieve", end)
 
