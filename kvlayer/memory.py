@@ -2,7 +2,9 @@
 
 An ``Arena`` is one allocation made once (pinned host memory where CUDA exists, plain host
 memory otherwise, or device memory), carved into equal slots of one chunk each: a slab
-allocator, so churn never fragments it. A ``MemoryObj`` owns one slot and carries an
+allocator, so churn never fragments it. It hands out its lowest free slot first, so chunks
+allocated one after another mostly lie one slot apart, which a scatter copies as one op per
+layer (``kvlayer.copy_runs``). A ``MemoryObj`` owns one slot and carries an
 explicit reference count and pin count (docs/architecture.md section 4).
 
 Ownership: ``Arena.allocate`` returns an object with ``ref_count == 1`` owned by the caller.
@@ -15,6 +17,7 @@ shared between the engine thread and the I/O loop.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections.abc import Iterable
@@ -122,7 +125,7 @@ class Arena:
             log.info("%s: CUDA is absent, using plain host memory instead of pinned memory", name)
         self.pinned = pinned
         self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device, pin_memory=pinned)
-        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._free_slots = list(range(self.num_slots))  # a heap: the lowest free slot goes first
 
     @property
     def capacity_bytes(self) -> int:
@@ -144,7 +147,7 @@ class Arena:
         with self.lock:
             if not self._free_slots:
                 return None
-            slot = self._free_slots.pop()
+            slot = heapq.heappop(self._free_slots)
         return MemoryObj(self, slot, tuple(shape), dtype)
 
     def prefault(self) -> None:
@@ -152,7 +155,7 @@ class Arena:
         self.buffer.zero_()
 
     def _free(self, slot: int) -> None:
-        self._free_slots.append(slot)
+        heapq.heappush(self._free_slots, slot)
 
 
 def release_all(objs: Iterable[MemoryObj]) -> None:

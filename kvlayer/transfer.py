@@ -21,8 +21,9 @@ one-chunk plans.
 On the CPU, ``index_copy_`` moves one element per step, so a scatter whose token rows allow it
 moves them as 16-byte elements (``_wide``): a bit-exact move, about 2.8x faster than float32
 elements while the rows are in cache, about 1.4x for 256 tokens or more of the ``bench`` layout
-from memory (more for 16-bit dtypes). ``index_select`` copies each row as one piece already, so gathers use it as is,
-but on one thread: a whole ``CopyPlan.gather`` may share its pieces among threads.
+from memory. Pieces one stride apart in one arena move as one op per layer (``kvlayer.copy_runs``).
+``index_select`` copies each row as one piece already, so gathers use it as is, but on one
+thread: a whole ``CopyPlan.gather`` may share its pieces among threads.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import cast
 
 import torch
 
+from kvlayer.copy_runs import RunPart, find_runs, run_parts
 from kvlayer.kernels import triton_available
 
 
@@ -181,7 +183,11 @@ class CopyPlan:
         self._layers = [dict(zip(ids, torch.unbind(c))) for c, ids in zip(self._chunks, self._ids)]
         self._slots = [slots for _, slots in pieces]
         self._wide: list[dict[int, torch.Tensor] | None] | None = None
-        self._elements = [_element(c.numel() * c.element_size() // max(1, c.shape[0]), threads) for c in self._chunks]
+        self._runs = find_runs(self._chunks, self._slots, self._ids)  # one op per layer for each (copy_runs)
+        in_run = {i for run in self._runs for i in run.pieces}
+        self._elements = [_WIDE if i in in_run else _element(c.nbytes // max(1, c.shape[0]), threads)
+                          for i, c in enumerate(self._chunks)]
+        self._run_parts: tuple[list[RunPart], list[int]] | None = None
         self._use_triton = use_triton
 
     def scatter_layer(self, layer: int, cache: torch.Tensor) -> None:
@@ -210,6 +216,11 @@ class CopyPlan:
                       pieces: Iterable[int]) -> None:
         """Layer ``layer`` of ``pieces`` into ``cache`` (its wide views ``dst``), from this thread."""
         wide = self._wide_layers()
+        if self._runs and pieces == range(len(self._slots)):
+            runs, pieces = self._runs_of_wide()
+            for slots, views in runs:
+                if (view := views.get(layer)) is not None:
+                    dst[_WIDE][:, slots] = view
         for i in pieces:
             rows = wide[i]
             if layer not in self._layers[i]:
@@ -218,6 +229,12 @@ class CopyPlan:
                 scatter_layer(self._layers[i][layer], cache, self._slots[i], self._use_triton)
             else:
                 dst[self._elements[i]].index_copy_(1, self._slots[i], rows[layer])
+
+    def _runs_of_wide(self) -> tuple[list[RunPart], list[int]]:
+        """The runs whose pieces have 16-byte views and the pieces alone (``run_parts``), made once."""
+        if self._run_parts is None:
+            self._run_parts = run_parts(self._wide_layers(), self._slots, self._runs)
+        return self._run_parts
 
     def _scatter_share(self, caches: Sequence[torch.Tensor], dsts: Sequence[dict[torch.dtype, torch.Tensor]],
                        pieces: range,
@@ -231,7 +248,7 @@ class CopyPlan:
     def _helpers(self) -> list[ThreadPoolExecutor]:
         """The copy threads a CPU scatter shares its pieces with (see ``_copy_threads``): none
         unless ``threads`` allows it and every piece is small enough that torch copies it on one thread."""
-        if self._threads < 2 or len(self._chunks) < 2:
+        if self._threads < 2 or len(self._chunks) < 2 or self._runs:  # a run's op is torch's to split
             return []
         if any(c.numel() * c.element_size() // max(1, c.shape[0]) > _ONE_THREAD_BYTES for c in self._chunks):
             return []
