@@ -5,8 +5,8 @@ ops where the engine's own copy of the same rows would be L; on the CPU each op 
 region of torch's, with a fork and join of its threads. Chunks a tier allocated one after
 another in its arena (``kvlayer.memory.Arena`` hands out its lowest free slot first) lie at
 one stride: per layer, one strided view covers all of them, ``[planes, count, n, row]``, and one
-indexed assignment (``index_put_``) writes it into the cache at a ``[count, n]`` slot table, as
-fast as the copy of one contiguous buffer (docs/benchmarks.md, "kvlayer against LMCache").
+indexed assignment (``index_put_``) writes it into the cache at a ``[count, n]`` slot table
+(measured in docs/benchmarks.md, "Runs: one scatter op per layer").
 """
 
 from __future__ import annotations

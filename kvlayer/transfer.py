@@ -1,9 +1,9 @@
 """Copies between the engine's paged KV cache and kvlayer chunks: gathers and scatters.
 
 A paged cache is one tensor per layer ``[planes, num_blocks, block_size, kv_heads, head_dim]`` (planes
-2: keys and values; 1: MLA's latent), the engine's own or a view of it (``KVLayout.paged_view``:
-for opaque blocks, one row per block);
-``slots`` (int64, on the caches' device) names the cache slot (or block) of each chunk row. Each call
+2: keys and values; 1: MLA's latent), the engine's own or a view of it (``KVLayout.paged_view``: for
+opaque blocks, one row per block); ``slots`` (int64, on the caches' device) names the cache slot
+(or block) of each chunk row. Each call
 runs the Triton kernels of ``kvlayer.kernels.copy_ops`` when ``use_triton`` says so (default:
 the caches are on CUDA and triton is installed), else the torch code below, which runs on any
 device. A chunk in host memory while the caches are on the GPU goes through a device staging
@@ -13,10 +13,9 @@ or reusing a scattered one.
 
 ``CopyPlan`` runs these copies for several chunks (or token slices of chunks) one layer at a
 time, as kvlayer's loads and saves do: it makes the views each copy needs once, when it is
-built, rather than once per layer and chunk. On the CPU a call's own views and checks cost
-10-25 us on a busy 2-core machine, as much as the copy of a 16-token layer of the ``bench``
-layout, so a caller with many chunks builds one plan per step; ``gather`` and ``scatter`` are
-one-chunk plans.
+built, rather than once per layer and chunk (a call's own views and checks cost as much as the
+copy of a 16-token layer), so a caller with many chunks builds one plan per step; ``gather`` and
+``scatter`` are one-chunk plans.
 
 On the CPU, ``index_copy_`` moves one element per step, so a scatter whose token rows allow it
 moves them as 16-byte elements (``_wide``): a bit-exact move, about 2.8x faster than float32
@@ -31,11 +30,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import cast
 
 import torch
 
-from kvlayer.copy_runs import RunPart, find_runs, run_parts
+from kvlayer.copy_runs import Run, RunPart, find_runs, run_parts
 from kvlayer.kernels import triton_available
 
 
@@ -183,12 +183,18 @@ class CopyPlan:
         self._layers = [dict(zip(ids, torch.unbind(c))) for c, ids in zip(self._chunks, self._ids)]
         self._slots = [slots for _, slots in pieces]
         self._wide: list[dict[int, torch.Tensor] | None] | None = None
-        self._runs = find_runs(self._chunks, self._slots, self._ids)  # one op per layer for each (copy_runs)
-        in_run = {i for run in self._runs for i in run.pieces}
-        self._elements = [_WIDE if i in in_run else _element(c.nbytes // max(1, c.shape[0]), threads)
-                          for i, c in enumerate(self._chunks)]
-        self._run_parts: tuple[list[RunPart], list[int]] | None = None
         self._use_triton = use_triton
+
+    @cached_property
+    def _runs(self) -> list[Run]:
+        """Pieces one stride apart in one arena, one op per layer each (``copy_runs``); found on first use."""
+        return find_runs(self._chunks, self._slots, self._ids)
+
+    @cached_property
+    def _elements(self) -> list[torch.dtype]:
+        """The element each piece's rows scatter as: 16 bytes in a run, else as ``_element`` says."""
+        return [_WIDE if any(i in run.pieces for run in self._runs) else _element(c.nbytes // max(1, c.shape[0]),
+                self._threads) for i, c in enumerate(self._chunks)]
 
     def scatter_layer(self, layer: int, cache: torch.Tensor) -> None:
         """Write layer ``layer`` of every piece holding it into ``cache``, that layer's cache (this thread only)."""
@@ -217,7 +223,7 @@ class CopyPlan:
         """Layer ``layer`` of ``pieces`` into ``cache`` (its wide views ``dst``), from this thread."""
         wide = self._wide_layers()
         if self._runs and pieces == range(len(self._slots)):
-            runs, pieces = self._runs_of_wide()
+            runs, pieces = self._runs_of_wide
             for slots, views in runs:
                 if (view := views.get(layer)) is not None:
                     dst[_WIDE][:, slots] = view
@@ -230,11 +236,10 @@ class CopyPlan:
             else:
                 dst[self._elements[i]].index_copy_(1, self._slots[i], rows[layer])
 
+    @cached_property
     def _runs_of_wide(self) -> tuple[list[RunPart], list[int]]:
-        """The runs whose pieces have 16-byte views and the pieces alone (``run_parts``), made once."""
-        if self._run_parts is None:
-            self._run_parts = run_parts(self._wide_layers(), self._slots, self._runs)
-        return self._run_parts
+        """The runs whose pieces have 16-byte views and the pieces alone (``run_parts``)."""
+        return run_parts(self._wide_layers(), self._slots, self._runs)
 
     def _scatter_share(self, caches: Sequence[torch.Tensor], dsts: Sequence[dict[torch.dtype, torch.Tensor]],
                        pieces: range,
@@ -248,10 +253,9 @@ class CopyPlan:
     def _helpers(self) -> list[ThreadPoolExecutor]:
         """The copy threads a CPU scatter shares its pieces with (see ``_copy_threads``): none
         unless ``threads`` allows it and every piece is small enough that torch copies it on one thread."""
-        if self._threads < 2 or len(self._chunks) < 2 or self._runs:  # a run's op is torch's to split
-            return []
-        if any(c.numel() * c.element_size() // max(1, c.shape[0]) > _ONE_THREAD_BYTES for c in self._chunks):
-            return []
+        if self._threads < 2 or len(self._chunks) < 2 or self._runs or \
+                any(c.nbytes // max(1, c.shape[0]) > _ONE_THREAD_BYTES for c in self._chunks):
+            return []  # one piece, or a run's op or big pieces: torch's own threads split them
         return _copy_threads(min(self._threads, len(self._chunks)) - 1)
 
     def _wide_layers(self) -> list[dict[int, torch.Tensor] | None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvlayer import transfer
 from kvlayer.copy_runs import Run, find_runs
@@ -14,6 +15,19 @@ from tests.kvlayer.test_transfer import BLOCK_SIZE, LAYERS, bits, same, scattere
 
 HEADS, DIM, TOKENS = 4, 16, 32
 SHAPE = (LAYERS, 2, TOKENS, HEADS, DIM)
+
+
+class CopyOps(TorchFunctionMode):
+    """Counts the indexed copies torch is asked for: ``index_copy_`` and indexed assignments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") in ("index_copy_", "__setitem__"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def arena_chunks(count: int, seed: int, arena: Arena | None = None) -> tuple[Arena, list]:
@@ -68,11 +82,13 @@ def test_a_plan_scatters_a_run_as_one_op_per_layer_to_the_same_bytes(threads: in
     plan = transfer.CopyPlan(pieces, threads=threads)
     assert [(r.first, r.count) for r in plan._runs] == [(1, 4)]
     assert plan._helpers() == [], "a run's op is torch's to split"
-    parts, alone = plan._runs_of_wide()
+    parts, alone = plan._runs_of_wide
     assert len(parts) == 1 and parts[0][0].shape == (4, TOKENS) and alone == [0, 5]
     got = [c.clone() for c in cache_list]
-    plan.scatter(got)
+    with CopyOps() as ops:
+        plan.scatter(got)
     assert all(same(g, w) for g, w in zip(got, want))
+    assert ops.count == 3 * LAYERS, "per layer: the run's one op and one for each piece alone"
     got = [c.clone() for c in cache_list]
     for layer in reversed(range(LAYERS)):
         plan.scatter_layer(layer, got[layer])
